@@ -1,0 +1,251 @@
+"""Read a local Hugging Face checkpoint: config, (sharded) safetensors weights, tokenizer files.
+
+`inspect_checkpoint` reads only `config.json` and the safetensors headers (no weights), so a
+dry run can check the source in milliseconds. `load_weights` reads the tensors. `source_sha256`
+hashes the config and every weight file for the manifest's provenance.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "generation_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
+_DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+class CheckpointError(Exception):
+    """The checkpoint folder is missing something or holds something we cannot build."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture facts our model definition needs, normalised across the four families."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    sliding_windows: tuple[int | None, ...]  # per layer; None = full attention
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
+        archs = cfg.get("architectures") or []
+        arch = archs[0] if archs else "<none>"
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise CheckpointError(
+                f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise CheckpointError(f"hidden_act {cfg.get('hidden_act')!r} is not supported (only 'silu')")
+        heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "linear", "llama3"):
+            raise CheckpointError(f"RoPE type {rope_type!r} is not supported (default, linear, llama3)")
+        if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise CheckpointError("partial_rotary_factor != 1 is not supported")
+        rope_scaling = None if rope_type == "default" else {
+            k: v for k, v in sorted(rope.items()) if k not in ("rope_theta",)
+        }
+        layers = int(cfg["num_hidden_layers"])
+        windows = _sliding_windows(arch, cfg, layers)
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        family_qkv_bias = arch == "Qwen2ForCausalLM"
+        return cls(
+            architecture=arch,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=head_dim,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=family_qkv_bias or bool(cfg.get("attention_bias", False)),
+            o_bias=(not family_qkv_bias) and bool(cfg.get("attention_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            sliding_windows=windows,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        from dataclasses import asdict
+
+        d = asdict(self)
+        d["sliding_windows"] = list(self.sliding_windows)
+        d["eos_token_ids"] = list(self.eos_token_ids)
+        return d
+
+
+def _sliding_windows(arch: str, cfg: dict[str, Any], layers: int) -> tuple[int | None, ...]:
+    window = cfg.get("sliding_window")
+    if arch == "MistralForCausalLM":
+        return tuple([int(window) if window else None] * layers)
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        if not cfg.get("use_sliding_window", False) or not window:
+            return tuple([None] * layers)
+        types = cfg.get("layer_types")
+        if not types:
+            max_window_layers = int(cfg.get("max_window_layers", layers))
+            types = ["sliding_attention" if i >= max_window_layers else "full_attention" for i in range(layers)]
+        return tuple(int(window) if t == "sliding_attention" else None for t in types)
+    return tuple([None] * layers)
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What a dry run learns from a checkpoint without reading any weight."""
+
+    path: Path
+    config: ModelConfig
+    weight_files: tuple[Path, ...]
+    tensors: dict[str, tuple[str, tuple[int, ...]]] = field(repr=False)  # name -> (dtype, shape)
+    tokenizer_files: tuple[Path, ...] = ()
+
+    @property
+    def num_parameters(self) -> int:
+        total = 0
+        for _, shape in self.tensors.values():
+            n = 1
+            for d in shape:
+                n *= d
+            total += n
+        return total
+
+    @property
+    def weight_bytes(self) -> int:
+        total = 0
+        for dtype, shape in self.tensors.values():
+            n = _DTYPE_BYTES.get(dtype, 4)
+            for d in shape:
+                n *= d
+            total += n
+        return total
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    cfg_path = path / "config.json"
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint folder {path} does not exist")
+    if not cfg_path.is_file():
+        raise CheckpointError(f"{cfg_path} is missing: not a Hugging Face checkpoint folder")
+    try:
+        return json.loads(cfg_path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_path}: invalid JSON ({e})") from e
+
+
+def weight_files(path: Path) -> tuple[Path, ...]:
+    index = path / "model.safetensors.index.json"
+    single = path / "model.safetensors"
+    if index.is_file():
+        data = json.loads(index.read_text(encoding="utf-8"))
+        names = sorted(set(data.get("weight_map", {}).values()))
+        files = tuple(path / n for n in names)
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{index} names missing shards: {', '.join(missing)}")
+        return files
+    if single.is_file():
+        return (single,)
+    if list(path.glob("*.bin")) or list(path.glob("*.pt")):
+        raise CheckpointError(
+            f"{path} has only pickle weights (*.bin/*.pt); only safetensors are loaded (nothing is unpickled)"
+        )
+    raise CheckpointError(f"{path} has no model.safetensors or model.safetensors.index.json")
+
+
+def _safetensors_header(file: Path) -> dict[str, Any]:
+    with file.open("rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise CheckpointError(f"{file}: truncated safetensors header")
+        (n,) = struct.unpack("<Q", raw)
+        if n > 100 * 1024 * 1024:
+            raise CheckpointError(f"{file}: implausible safetensors header size {n}")
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return header
+
+
+def inspect_checkpoint(path: str | Path) -> CheckpointInfo:
+    """Config + tensor names/shapes from the safetensors headers; reads no weight data."""
+    path = Path(path).resolve()
+    config = ModelConfig.from_hf(read_config(path))
+    files = weight_files(path)
+    tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for f in files:
+        for name, meta in _safetensors_header(f).items():
+            tensors[name] = (meta["dtype"], tuple(meta["shape"]))
+    if "model.embed_tokens.weight" not in tensors:
+        raise CheckpointError(f"{path}: no tensor 'model.embed_tokens.weight'; not a supported layout")
+    tok = tuple(path / n for n in TOKENIZER_FILES if (path / n).is_file())
+    if not (path / "tokenizer.json").is_file():
+        raise CheckpointError(f"{path}/tokenizer.json is missing (a fast tokenizer file is required)")
+    return CheckpointInfo(path=path, config=config, weight_files=files, tensors=tensors, tokenizer_files=tok)
+
+
+def load_weights(info: CheckpointInfo) -> dict[str, Any]:
+    """All tensors as torch tensors (their stored dtype), from every shard."""
+    from safetensors.torch import load_file
+
+    out: dict[str, Any] = {}
+    for f in info.weight_files:
+        out.update(load_file(str(f)))
+    return out
+
+
+def source_sha256(info: CheckpointInfo) -> str:
+    """sha256 over config.json and each weight file (by name, in sorted order)."""
+    h = hashlib.sha256()
+    for f in [info.path / "config.json", *sorted(info.weight_files)]:
+        h.update(f.name.encode() + b"\0")
+        with f.open("rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()

@@ -1,0 +1,220 @@
+"""The `optimize` command line: build, inspect, verify, generate, eval.
+
+Heavy modules (torch, onnx, onnxruntime) are imported inside the commands that need them, so
+`optimize verify` and `optimize inspect` work in a runtime-only install and start fast.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import click
+
+if TYPE_CHECKING:  # pragma: no cover
+    from compiler.build import Plan
+
+log = logging.getLogger("optimize")
+
+
+def _fmt_bytes(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.1f} {unit}" if unit != "B" else f"{int(size)} B"
+        size /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def _fail(message: str, code: int = 1) -> None:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(code)
+
+
+@click.group()
+@click.option("-v", "--verbose", count=True, help="More logging (-v info, -vv debug).")
+def main(verbose: int) -> None:
+    """Compile Hugging Face checkpoints into verified artifacts, and run them."""
+    level = logging.WARNING - 10 * verbose
+    logging.basicConfig(level=max(level, logging.DEBUG), format="%(levelname)s %(name)s: %(message)s")
+
+
+@main.command()
+@click.argument("recipe", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--dry-run", is_flag=True, help="Check recipe and checkpoint, print the plan and estimates; build nothing.")
+@click.option("--no-progress", is_flag=True, help="No progress display.")
+def build(recipe: Path, dry_run: bool, no_progress: bool) -> None:
+    """Build RECIPE (YAML) into artifacts/<name>/<version>/."""
+    from compiler.build import BuildError, RecipeError, plan
+    from runtime.artifact import ArtifactError
+
+    try:
+        if dry_run:
+            p = plan(recipe)
+            _print_plan(p)
+            return
+        from compiler.build import QualityGateError
+        from compiler.build import build as run_build
+
+        t = time.perf_counter()
+        try:
+            out = run_build(recipe, progress=not no_progress and sys.stderr.isatty())
+        except QualityGateError as e:
+            _fail(f"{e}\nno artifact was written")
+            return
+        click.echo(f"built {out} in {time.perf_counter() - t:.1f} s")
+    except RecipeError as e:
+        _fail(str(e))
+    except (BuildError, ArtifactError) as e:
+        _fail(f"{e}\nno artifact was written")
+
+
+def _print_plan(p: Plan) -> None:
+    r, info, est = p.recipe, p.checkpoint, p.estimates
+    cfg = info.config
+    click.echo(f"recipe     {r.path}  (sha256 {r.sha256[:12]})")
+    click.echo(f"artifact   {r.output / r.name / r.version}")
+    click.echo(f"source     {info.path}")
+    click.echo(f"           {cfg.architecture}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+               f"heads {cfg.num_heads}/{cfg.num_kv_heads} kv, head_dim {cfg.head_dim}, vocab {cfg.vocab_size}, "
+               f"{info.num_parameters:,} parameters")
+    click.echo(f"target     {r.target.backend}/{r.target.device}/{r.target.dtype}")
+    click.echo("passes")
+    for i, ps in enumerate(p.passes, 1):
+        click.echo(f"  {i}. {ps.name:<12} {ps.summary}")
+    click.echo("estimates")
+    rows = [
+        ("artifact size", est["artifact_bytes"]),
+        ("build peak memory", est["build_peak_bytes"]),
+        ("runtime weights", est["runtime_weights_bytes"]),
+        (f"runtime KV cache ({r.runtime.num_kv_blocks} blocks x {r.runtime.kv_block_size} tokens)",
+         est["runtime_kv_cache_bytes"]),
+        (f"runtime activations ({r.runtime.max_num_batched_tokens} tokens/step, context {r.runtime.max_model_len})",
+         est["runtime_activation_bytes"]),
+        ("runtime total", est["runtime_total_bytes"]),
+    ]
+    for label, n in rows:
+        click.echo(f"  {label:<62} {_fmt_bytes(n):>12}")
+    click.echo("plan ok (dry run: nothing built)")
+
+
+@main.command()
+@click.argument("artifact", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
+def inspect(artifact: Path, as_json: bool) -> None:
+    """Summarise an artifact's manifest."""
+    from runtime.artifact import ArtifactError, describe, read_manifest
+
+    try:
+        manifest = read_manifest(artifact)
+    except ArtifactError as e:
+        _fail(str(e))
+        return
+    if as_json:
+        click.echo(json.dumps(manifest, indent=2, sort_keys=True))
+        return
+    rows = describe(manifest)
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        click.echo(f"{k:<{width}}  {v}")
+
+
+@main.command()
+@click.argument("artifact", type=click.Path(file_okay=False, path_type=Path))
+def verify(artifact: Path) -> None:
+    """Check every file of ARTIFACT against its manifest (size and sha256); exit 1 on any difference."""
+    from runtime.artifact import ArtifactError, read_manifest, verify_artifact
+
+    try:
+        manifest = read_manifest(artifact)
+        problems = verify_artifact(artifact)
+    except ArtifactError as e:
+        _fail(str(e))
+        return
+    if problems:
+        for line in problems:
+            click.echo(f"FAILED {line}", err=True)
+        _fail(f"{artifact}: {len(problems)} problem(s)")
+    click.echo(f"ok: {manifest['name']} {manifest['version']}, {len(manifest.get('files', []))} files verified")
+
+
+def _sampling(max_tokens: int, temperature: float, top_k: int, top_p: float, seed: int | None,
+              stop: tuple[str, ...]) -> object:
+    from runtime.sampling import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                          stop=list(stop))
+
+
+@main.command()
+@click.argument("artifact", type=click.Path(file_okay=False, path_type=Path))
+@click.argument("prompt")
+@click.option("--max-tokens", default=64, show_default=True)
+@click.option("--temperature", default=0.0, show_default=True, help="0 = greedy")
+@click.option("--top-k", default=0, show_default=True)
+@click.option("--top-p", default=1.0, show_default=True)
+@click.option("--seed", type=int, default=None)
+@click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--escapes/--no-escapes", default=True, show_default=True, help=r"Read \n and \t in PROMPT.")
+def generate(artifact: Path, prompt: str, max_tokens: int, temperature: float, top_k: int, top_p: float,
+             seed: int | None, stop: tuple[str, ...], escapes: bool) -> None:
+    """Stream a continuation of PROMPT from ARTIFACT to the terminal."""
+    from runtime.artifact import ArtifactError
+    from runtime.engine import LLM
+
+    if escapes:
+        prompt = prompt.replace("\\n", "\n").replace("\\t", "\t")
+    try:
+        llm = LLM(artifact)
+        params = _sampling(max_tokens, temperature, top_k, top_p, seed, stop)
+        click.echo(prompt, nl=False)
+        t = time.perf_counter()
+        n = 0
+        last = None
+        for out in llm.stream(prompt, params):  # type: ignore[arg-type]
+            click.echo(out.new_text, nl=False)
+            n = len(out.token_ids)
+            last = out
+        dt = time.perf_counter() - t
+        click.echo("")
+        reason = last.finish_reason if last else "?"
+        click.echo(f"[{n} tokens in {dt:.2f} s, {n / dt if dt else 0:.1f} tok/s, finish: {reason}]", err=True)
+    except (ArtifactError, ValueError, RuntimeError) as e:
+        _fail(str(e))
+
+
+@main.command("eval")
+@click.argument("artifact", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--data", required=True, type=click.Path(dir_okay=False, exists=True, path_type=Path),
+              help="UTF-8 text file.")
+@click.option("--chunk-len", default=256, show_default=True, help="Tokens per independently scored chunk.")
+@click.option("--max-tokens", type=int, default=None, help="Score only the first N tokens of the text.")
+@click.option("--json", "as_json", is_flag=True)
+def eval_cmd(artifact: Path, data: Path, chunk_len: int, max_tokens: int | None, as_json: bool) -> None:
+    """Perplexity of ARTIFACT on a text file (non-overlapping chunks, each scored on its own)."""
+    from runtime.artifact import ArtifactError
+    from runtime.engine import LLMEngine
+    from runtime.evaluate import perplexity
+
+    try:
+        engine = LLMEngine(artifact)
+        ids = engine.tokenizer.encode(data.read_text(encoding="utf-8"), add_special_tokens=False)
+        t = time.perf_counter()
+        res = perplexity(engine.backend, ids, chunk_len=chunk_len, max_tokens=max_tokens)
+        dt = time.perf_counter() - t
+    except (ArtifactError, ValueError, RuntimeError) as e:
+        _fail(str(e))
+        return
+    if as_json:
+        click.echo(json.dumps({**res.as_dict(), "seconds": round(dt, 3)}, indent=2))
+    else:
+        click.echo(f"perplexity {res.perplexity:.4f}  (mean NLL {res.mean_nll:.4f}, {res.predictions} predictions "
+                   f"in {res.chunks} chunks of {chunk_len}, {dt:.1f} s)")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,240 @@
+"""Our model definition for the Llama family (Llama, Mistral, Qwen2, Qwen3) with the ForwardBatch interface.
+
+One forward runs any mix of prefill chunks and decode tokens, packed without padding. Attention is
+a paged attention written in standard ops (so it exports to plain ONNX):
+
+    token t of sequence b=seq(t) at position p attends to
+      past keys   j in [0, past_lens[b])      read from the KV pool through block_table[b]
+      new keys    t' with seq(t') == b and positions[t'] <= p   (this step's own K/V)
+
+The forward returns the logits of the `logits_index` tokens and each layer's new K/V ([T, kv_heads,
+head_dim]); the runtime scatters those into its pool at `slot_mapping` after the step, so the graph
+never copies the pool. Weights load from Hugging Face names.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from compiler.checkpoint import ModelConfig
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies as Hugging Face computes them (default, linear, llama3)."""
+    dim = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim))
+    sc = cfg.rope_scaling
+    if sc is None:
+        return inv
+    kind = sc.get("rope_type", sc.get("type"))
+    factor = float(sc["factor"])
+    if kind == "linear":
+        return inv / factor
+    if kind == "llama3":
+        low, high = float(sc["low_freq_factor"]), float(sc["high_freq_factor"])
+        old_ctx = float(sc["original_max_position_embeddings"])
+        low_wl, high_wl = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv
+        inv_l = torch.where(wavelen > low_wl, inv / factor, inv)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * inv_l / factor + smooth * inv_l
+        is_medium = ~(wavelen < high_wl) * ~(wavelen > low_wl)
+        return torch.where(is_medium, smoothed, inv_l)
+    raise ValueError(f"unsupported RoPE scaling {kind!r}")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.h, self.kvh, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.h * self.d, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.kvh * self.d, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.kvh * self.d, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
+        self.window = cfg.sliding_windows[layer]
+        self.scale = 1.0 / math.sqrt(self.d)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,  # [T, d]
+        sin: torch.Tensor,
+        ctx: AttentionContext,
+        k_cache: torch.Tensor,  # [num_blocks, block_size, kvh, d]
+        v_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.h, self.d)
+        k = self.k_proj(x).view(t, self.kvh, self.d)
+        v = self.v_proj(x).view(t, self.kvh, self.d)
+        if self.qk_norm:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        cos_, sin_ = cos.unsqueeze(1), sin.unsqueeze(1)
+        q = q * cos_ + _rotate_half(q) * sin_
+        k = k * cos_ + _rotate_half(k) * sin_
+
+        group = self.h // self.kvh
+        qg = q.view(t, self.kvh, group, self.d)
+        # Past keys/values of each token's sequence, gathered from the pool: [T, Lp, kvh, d].
+        flat_k = k_cache.reshape(-1, self.kvh, self.d)
+        flat_v = v_cache.reshape(-1, self.kvh, self.d)
+        kp = flat_k[ctx.past_slots]
+        vp = flat_v[ctx.past_slots]
+        s_past = torch.einsum("tkgd,tlkd->tkgl", qg, kp)
+        s_new = torch.einsum("tkgd,skd->tkgs", qg, k)
+        past_ok, new_ok = ctx.past_mask, ctx.new_mask
+        if self.window is not None:
+            past_ok = past_ok & (ctx.past_pos > ctx.positions.unsqueeze(1) - self.window)
+            new_ok = new_ok & (ctx.positions.unsqueeze(0) > ctx.positions.unsqueeze(1) - self.window)
+        scores = torch.cat([s_past, s_new], dim=-1) * self.scale  # [T, kvh, g, Lp + T]
+        mask = torch.cat([past_ok, new_ok], dim=-1)[:, None, None, :]
+        scores = scores.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores.to(torch.float32), dim=-1).to(q.dtype)
+        lp = kp.shape[1]
+        out = torch.einsum("tkgl,tlkd->tkgd", probs[..., :lp], vp) + torch.einsum(
+            "tkgs,skd->tkgd", probs[..., lp:], v
+        )
+        return self.o_proj(out.reshape(t, self.h * self.d)), k, v
+
+
+class AttentionContext:
+    """Index tensors shared by all layers of one step (computed once from the ForwardBatch)."""
+
+    def __init__(
+        self,
+        positions: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        past_lens: torch.Tensor,
+        block_table: torch.Tensor,
+        block_size: int,
+    ) -> None:
+        t = positions.shape[0]
+        tok = torch.arange(t, dtype=torch.int64)
+        ends = cu_seqlens[1:].to(torch.int64)
+        seq = (tok.unsqueeze(1) >= ends.unsqueeze(0)).to(torch.int64).sum(-1)  # [T] sequence of token t
+        lp = block_table.shape[1] * block_size
+        j = torch.arange(lp, dtype=torch.int64)
+        bt = block_table.to(torch.int64).clamp(min=0)[seq]  # [T, max_blocks]
+        self.past_slots = bt[:, j // block_size] * block_size + (j % block_size)  # [T, Lp]
+        self.past_pos = j.unsqueeze(0)
+        self.past_mask = j.unsqueeze(0) < past_lens.to(torch.int64)[seq].unsqueeze(1)  # [T, Lp]
+        self.new_mask = (seq.unsqueeze(1) == seq.unsqueeze(0)) & (
+            positions.unsqueeze(0) <= positions.unsqueeze(1)
+        )  # [T, T]
+        self.positions = positions
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+
+class LlamaForwardBatchModel(nn.Module):
+    """Llama/Mistral/Qwen2/Qwen3 decoder taking the ForwardBatch arrays plus the per-layer KV pools."""
+
+    def __init__(self, cfg: ModelConfig, block_size: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.block_size = block_size
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, i) for i in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        past_lens: torch.Tensor,
+        block_table: torch.Tensor,
+        logits_index: torch.Tensor,
+        *kv_cache: torch.Tensor,  # k_0, v_0, k_1, v_1, ...
+    ) -> tuple[torch.Tensor, ...]:
+        x = self.embed_tokens(input_ids)
+        freqs = positions.to(torch.float32).unsqueeze(1) * self.inv_freq.unsqueeze(0)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        ctx = AttentionContext(positions, cu_seqlens, past_lens, block_table, self.block_size)
+        new_kv: list[torch.Tensor] = []
+        for i, layer in enumerate(self.layers):
+            h, k, v = layer.self_attn(layer.input_layernorm(x), cos, sin, ctx, kv_cache[2 * i], kv_cache[2 * i + 1])
+            x = x + h
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            new_kv += [k, v]
+        h = self.norm(x[logits_index])
+        logits = self.lm_head(h).to(torch.float32)
+        return (logits, *new_kv)
+
+    # -- weights -------------------------------------------------------------------------------
+    def hf_name(self, name: str) -> str:
+        if name.startswith("lm_head."):
+            return name
+        return "model." + name
+
+    def load_hf_state_dict(self, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> list[str]:
+        """Copy Hugging Face tensors in by name; returns the HF names that were not used."""
+        used: set[str] = set()
+        missing: list[str] = []
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                src = self.hf_name(name)
+                if src == "lm_head.weight" and self.cfg.tie_word_embeddings:
+                    src = "model.embed_tokens.weight"
+                if src not in weights and src == "lm_head.weight":
+                    src = "model.embed_tokens.weight"  # checkpoints that omit a tied head
+                if src not in weights:
+                    missing.append(src)
+                    continue
+                w = weights[src]
+                if tuple(w.shape) != tuple(param.shape):
+                    raise ValueError(f"tensor {src}: shape {tuple(w.shape)} != expected {tuple(param.shape)}")
+                param.copy_(w.to(dtype))
+                used.add(src)
+        if missing:
+            raise ValueError(f"checkpoint lacks tensors: {', '.join(missing[:8])}")
+        self.to(dtype)
+        self.inv_freq = self.inv_freq.to(torch.float32)
+        return sorted(set(weights) - used - {"lm_head.weight"})

@@ -1,0 +1,64 @@
+"""The pass interface: a name, a typed config from the recipe, and `run(ctx)` that returns its stats.
+
+A pass records what it did (stats go to the manifest) and the driver records how long it took
+(build.json). A pass that does not apply to the target says why (`skip_reason`) and does nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:  # pragma: no cover
+    from compiler.checkpoint import CheckpointInfo
+    from compiler.recipe import Recipe
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class BuildContext:
+    """Everything passes hand to each other during one build."""
+
+    recipe: Recipe
+    checkpoint: CheckpointInfo
+    staging: Path  # the artifact folder being written (renamed into place when the build succeeds)
+    artifacts: dict[str, Any] = field(default_factory=dict)  # in-memory products: "model", "exported", "onnx", ...
+    manifest: dict[str, Any] = field(default_factory=dict)  # deterministic facts for manifest.json
+    build_info: dict[str, Any] = field(default_factory=dict)  # run-to-run facts for build.json
+    completed: list[str] = field(default_factory=list)  # names of passes that have run
+
+    def require(self, key: str, by: str) -> Any:
+        if key not in self.artifacts:
+            raise BuildError(f"pass {by!r} needs {key!r}, which no earlier pass produced")
+        return self.artifacts[key]
+
+
+class BuildError(Exception):
+    """A build step failed; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class NoOptions:
+    """A pass without options."""
+
+
+class Pass:
+    """Base class: subclasses set `name`, `Config`, `requires` and implement `run`."""
+
+    name: ClassVar[str]
+    Config: ClassVar[type] = NoOptions
+    requires: ClassVar[tuple[str, ...]] = ()  # passes that must run earlier in the list
+    summary: ClassVar[str] = ""
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+
+    def skip_reason(self, ctx: BuildContext) -> str | None:
+        """None when the pass applies to this build's target; else the reason it does nothing."""
+        return None
+
+    def run(self, ctx: BuildContext) -> dict[str, Any]:  # pragma: no cover - abstract
+        raise NotImplementedError

@@ -1,0 +1,113 @@
+"""Graph capture: build our model definition from the checkpoint and trace it with torch.export.
+
+The traced graph has the ForwardBatch interface (dynamic token, sequence, block and pool
+dimensions) plus the per-layer KV pools as inputs, and logits plus each layer's new K/V as outputs.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from compiler.passes.base import BuildContext, BuildError, Pass
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_DTYPES = {("onnxruntime", "cpu"): ("float32",)}
+
+
+@dataclass(frozen=True)
+class CaptureOptions:
+    strict: bool = False  # torch.export strict mode (TorchDynamo); non-strict traces in Python
+
+
+def graph_io_names(num_layers: int) -> tuple[list[str], list[str]]:
+    inputs = ["input_ids", "positions", "cu_seqlens", "past_lens", "block_table", "logits_index"]
+    inputs += [f"{kind}_cache.{i}" for i in range(num_layers) for kind in ("key", "value")]
+    outputs = ["logits"] + [f"new_{kind}.{i}" for i in range(num_layers) for kind in ("key", "value")]
+    return inputs, outputs
+
+
+def example_inputs(cfg: Any, block_size: int, dtype: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Small example batch (distinct sizes so no dimension is specialised) and the dynamic shapes."""
+    import torch
+
+    t, b, max_blocks, num_blocks, n_logits = 9, 3, 4, 11, 2
+    args = (
+        torch.zeros(t, dtype=torch.int64),
+        torch.arange(t, dtype=torch.int64),
+        torch.tensor([0, 3, 5, 9], dtype=torch.int32),
+        torch.zeros(b, dtype=torch.int32),
+        torch.zeros(b, max_blocks, dtype=torch.int32),
+        torch.tensor([2, 8], dtype=torch.int64),
+    )
+    kv = tuple(
+        torch.zeros(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype)
+        for _ in range(2 * cfg.num_layers)
+    )
+    dim = torch.export.Dim
+    tokens = dim("num_tokens", min=1, max=1 << 16)
+    seqs = dim("num_seqs", min=1, max=1 << 12)
+    blocks = dim("max_blocks", min=1, max=1 << 16)
+    pool = dim("num_blocks", min=1, max=1 << 24)
+    logits = dim("num_logits", min=1, max=1 << 12)
+    dynamic = {
+        "input_ids": {0: tokens},
+        "positions": {0: tokens},
+        "cu_seqlens": {0: seqs + 1},
+        "past_lens": {0: seqs},
+        "block_table": {0: seqs, 1: blocks},
+        "logits_index": {0: logits},
+        "kv_cache": tuple({0: pool} for _ in kv),
+    }
+    return args + kv, dynamic
+
+
+class CapturePass(Pass):
+    """Trace our model definition into a torch.export graph with the ForwardBatch interface."""
+
+    name: ClassVar[str] = "capture"
+    Config = CaptureOptions
+    summary = "load weights into the model definition; torch.export with dynamic ForwardBatch shapes"
+
+    def run(self, ctx: BuildContext) -> dict[str, Any]:
+        import torch
+
+        from compiler.checkpoint import load_weights
+        from compiler.models.llama import LlamaForwardBatchModel
+
+        target = ctx.recipe.target
+        allowed = SUPPORTED_DTYPES.get((target.backend, target.device))
+        if allowed is None or target.dtype not in allowed:
+            raise BuildError(
+                f"target {target.backend}/{target.device}/{target.dtype} is not supported by this build; "
+                f"supported: onnxruntime/cpu/float32"
+            )
+        cfg = ctx.checkpoint.config
+        block_size = ctx.recipe.runtime.kv_block_size
+        dtype = getattr(torch, target.dtype)
+        torch.manual_seed(0)
+        model = LlamaForwardBatchModel(cfg, block_size)
+        unused = model.load_hf_state_dict(load_weights(ctx.checkpoint), dtype)
+        if unused:
+            log.info("checkpoint tensors not used by the model definition: %s", ", ".join(unused[:8]))
+        model.eval()
+        args, dynamic = example_inputs(cfg, block_size, dtype)
+        try:
+            with torch.no_grad():
+                exported = torch.export.export(model, args, dynamic_shapes=dynamic, strict=self.config.strict)
+        except Exception as e:  # torch.export's errors are long; keep the first line in ours
+            raise BuildError(f"torch.export failed: {str(e).splitlines()[0]}") from e
+        ctx.artifacts["model"] = model
+        ctx.artifacts["exported"] = exported
+        ctx.artifacts["example_inputs"] = args
+        n_params = sum(p.numel() for p in model.parameters())
+        return {
+            "architecture": cfg.architecture,
+            "parameters": n_params,
+            "graph_nodes": len(exported.graph.nodes),
+            "dynamic_dims": ["num_tokens", "num_seqs", "max_blocks", "num_blocks", "num_logits"],
+            "kv_block_size": block_size,
+            "unused_checkpoint_tensors": unused,
+        }

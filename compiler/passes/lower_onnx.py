@@ -1,0 +1,109 @@
+"""Lowering to ONNX: the torch.export graph becomes a standard ONNX model (the portable IR).
+
+Uses the torch.onnx dynamo exporter (graph already captured), runs its optimizer (constant folding,
+dead code), then strips the exporter's per-node metadata (stack traces with absolute paths, FX
+node text) so that the same recipe and checkpoint give byte-identical model files.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from compiler.passes.base import BuildContext, BuildError, Pass
+from compiler.passes.capture import graph_io_names
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LowerOnnxOptions:
+    opset: int = 21
+    optimize: bool = True  # the exporter's graph optimizer (constant folding, dead code elimination)
+
+
+def strip_metadata(model: Any) -> None:
+    """Remove run-dependent text (stack traces, FX node dumps, doc strings) from an ONNX model."""
+
+    def clear(graph: Any) -> None:
+        del graph.metadata_props[:]
+        graph.doc_string = ""
+        for seq in (graph.input, graph.output, graph.value_info):
+            for vi in seq:
+                del vi.metadata_props[:]
+                vi.doc_string = ""
+        for init in graph.initializer:
+            del init.metadata_props[:]
+            init.doc_string = ""
+        for node in graph.node:
+            del node.metadata_props[:]
+            node.doc_string = ""
+            for attr in node.attribute:
+                if attr.g is not None and attr.HasField("g"):
+                    clear(attr.g)
+                for g in attr.graphs:
+                    clear(g)
+
+    del model.metadata_props[:]
+    model.doc_string = ""
+    clear(model.graph)
+    for fn in model.functions:
+        del fn.metadata_props[:]
+        fn.doc_string = ""
+        for node in fn.node:
+            del node.metadata_props[:]
+            node.doc_string = ""
+
+
+class LowerOnnxPass(Pass):
+    """Translate the captured graph to ONNX (opset >= 21) with named ForwardBatch inputs and outputs."""
+
+    name: ClassVar[str] = "lower_onnx"
+    Config = LowerOnnxOptions
+    requires = ("capture",)
+    summary = "torch.export graph -> ONNX (standard ops), optimizer, deterministic metadata"
+
+    def run(self, ctx: BuildContext) -> dict[str, Any]:
+        import onnx
+        import torch
+
+        if self.config.opset < 21:
+            raise BuildError(f"lower_onnx: opset {self.config.opset} < 21 is not supported")
+        exported = ctx.require("exported", self.name)
+        inputs, outputs = graph_io_names(ctx.checkpoint.config.num_layers)
+        try:
+            program = torch.onnx.export(
+                exported,
+                (),
+                input_names=inputs,
+                output_names=outputs,
+                opset_version=self.config.opset,
+                dynamo=True,
+                optimize=self.config.optimize,
+                verify=False,
+                report=False,
+            )
+        except Exception as e:
+            raise BuildError(f"ONNX lowering failed: {str(e).splitlines()[0]}") from e
+        model = program.model_proto
+        strip_metadata(model)
+        model.producer_name = "optimize"
+        model.producer_version = ""
+        got_in = [i.name for i in model.graph.input]
+        got_out = [o.name for o in model.graph.output]
+        if got_in != inputs or got_out != outputs:
+            raise BuildError(f"lowered graph has inputs {got_in} / outputs {got_out}, expected {inputs} / {outputs}")
+        ctx.artifacts["onnx"] = model
+        ops = Counter(n.op_type for n in model.graph.node)
+        return {
+            "opset": self.config.opset,
+            "nodes": sum(ops.values()),
+            "op_types": dict(sorted(ops.items())),
+            "initializers": len(model.graph.initializer),
+            "inputs": inputs,
+            "outputs": outputs,
+            "ir_version": int(model.ir_version),
+            "onnx_version": onnx.__version__,
+        }

@@ -1,0 +1,100 @@
+"""Packaging: write the ONNX model with external weights, tokenizer files and runtime.json.
+
+The manifest itself is written by the build driver (compiler/build.py) through runtime/artifact.py
+once every pass and the quality gate have run, so it lists every payload file with its sha256.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from compiler.passes.base import BuildContext, Pass
+
+log = logging.getLogger(__name__)
+
+MODEL_FILE = "model.onnx"
+WEIGHTS_FILE = "model.onnx.data"
+
+
+@dataclass(frozen=True)
+class PackageOptions:
+    external_data_threshold: int = 1024  # tensors at least this many bytes go to model.onnx.data
+
+
+def runtime_config(ctx: BuildContext) -> dict[str, Any]:
+    """runtime.json: serving defaults from the recipe plus the model facts the runtime needs."""
+    from compiler.passes.capture import graph_io_names
+
+    cfg = ctx.checkpoint.config
+    rt = ctx.recipe.runtime
+    inputs, outputs = graph_io_names(cfg.num_layers)
+    return {
+        "backend": ctx.recipe.target.backend,
+        "device": ctx.recipe.target.device,
+        "model_file": MODEL_FILE,
+        "kv_cache": {
+            "block_size": rt.kv_block_size,
+            "num_blocks": rt.num_kv_blocks,
+            "dtype": ctx.recipe.target.dtype,
+        },
+        "scheduler": {
+            "max_num_seqs": rt.max_num_seqs,
+            "max_num_batched_tokens": rt.max_num_batched_tokens,
+            "max_model_len": min(rt.max_model_len, cfg.max_position_embeddings),
+        },
+        "model": {
+            "architecture": cfg.architecture,
+            "num_layers": cfg.num_layers,
+            "num_kv_heads": cfg.num_kv_heads,
+            "head_dim": cfg.head_dim,
+            "vocab_size": cfg.vocab_size,
+            "bos_token_id": cfg.bos_token_id,
+            "eos_token_ids": list(cfg.eos_token_ids),
+            "max_position_embeddings": cfg.max_position_embeddings,
+        },
+        "graph": {"inputs": inputs, "outputs": outputs},
+    }
+
+
+class PackagePass(Pass):
+    """Write the payload files of the artifact into the staging folder."""
+
+    name: ClassVar[str] = "package"
+    Config = PackageOptions
+    requires = ("lower_onnx",)
+    summary = "model.onnx + model.onnx.data, tokenizer/, runtime.json"
+
+    def run(self, ctx: BuildContext) -> dict[str, Any]:
+        import onnx
+
+        model = ctx.require("onnx", self.name)
+        out = ctx.staging
+        out.mkdir(parents=True, exist_ok=True)
+        onnx.save_model(
+            model,
+            str(out / MODEL_FILE),
+            save_as_external_data=True,
+            all_tensors_to_one_file=True,
+            location=WEIGHTS_FILE,
+            size_threshold=self.config.external_data_threshold,
+            convert_attribute=False,
+        )
+        tok_dir = out / "tokenizer"
+        tok_dir.mkdir(exist_ok=True)
+        for f in ctx.checkpoint.tokenizer_files:
+            shutil.copyfile(f, tok_dir / f.name)
+        (out / "runtime.json").write_text(
+            json.dumps(runtime_config(ctx), sort_keys=True, indent=2) + "\n", encoding="utf-8"
+        )
+        files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
+        return {
+            "model_file": MODEL_FILE,
+            "weights_file": WEIGHTS_FILE,
+            "weights_bytes": (out / WEIGHTS_FILE).stat().st_size,
+            "tokenizer_files": sorted(f.name for f in ctx.checkpoint.tokenizer_files),
+            "files": files,
+        }

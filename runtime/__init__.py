@@ -1,0 +1,27 @@
+"""optimize runtime: load a built artifact and serve it (paged KV cache, continuous batching).
+
+Thin by design: this package never imports `compiler` or `torch`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__all__ = ["LLM", "SamplingParams"]
+
+if TYPE_CHECKING:  # pragma: no cover
+    from runtime.engine import LLM
+    from runtime.sampling import SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy so that `import runtime.artifact` (verify, inspect) stays light.
+    if name == "LLM":
+        from runtime.engine import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from runtime.sampling import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(name)

@@ -1,0 +1,412 @@
+"""The artifact format: manifest schema, writing, reading, integrity and compatibility checks.
+
+An artifact is a folder ``<output>/<name>/<version>/`` holding ``manifest.json`` (what was
+built: provenance, target, passes, quality, and the size and sha256 of every payload file),
+``build.json`` (run-to-run facts -- timings, host, absolute paths; neither hashed nor part of
+the payload) and the payload files (``model.onnx``, ``tokenizer/...``, ``runtime.json``, ...).
+
+The format is defined here, once, on the runtime side; the compiler writes through this
+module. It imports only the standard library so that ``optimize verify`` and the serving
+process stay light (never ``compiler``, never ``torch``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+__all__ = [
+    "BUILD_INFO",
+    "MANIFEST",
+    "SCHEMA_VERSION",
+    "Artifact",
+    "ArtifactError",
+    "IncompatibleArtifactError",
+    "check_version_unused",
+    "describe",
+    "file_entries",
+    "read_manifest",
+    "sha256_file",
+    "verify_artifact",
+    "write_build_info",
+    "write_manifest",
+]
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = "1.0.0"
+MANIFEST = "manifest.json"
+BUILD_INFO = "build.json"
+_NOT_PAYLOAD = frozenset({MANIFEST, BUILD_INFO})
+_CHUNK = 1 << 20
+_SEMVER = re.compile(r"^(0|[1-9][0-9]*)\.(0|[1-9][0-9]*)\.(0|[1-9][0-9]*)([-+][0-9A-Za-z.+-]*)?$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+class ArtifactError(Exception):
+    """An artifact is missing, unreadable, corrupt or malformed; the message names the file(s)."""
+
+
+class IncompatibleArtifactError(ArtifactError):
+    """The artifact's schema major version is not the one this runtime reads."""
+
+
+# --------------------------------------------------------------------------- hashing and listing
+
+
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file, read in 1 MiB chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _scan(root: Path) -> tuple[dict[str, Path], dict[str, str]]:
+    """Payload files under root by posix relative path, plus entries that are not regular files."""
+    files: dict[str, Path] = {}
+    odd: dict[str, str] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        here = Path(dirpath)
+        for d in list(dirnames):
+            if (here / d).is_symlink():
+                odd[(here / d).relative_to(root).as_posix()] = (
+                    "is a symlink; payload files must be regular files"
+                )
+                dirnames.remove(d)
+        dirnames.sort()
+        for name in filenames:
+            full = here / name
+            rel = full.relative_to(root).as_posix()
+            if rel in _NOT_PAYLOAD:
+                continue
+            if full.is_symlink():
+                odd[rel] = "is a symlink; payload files must be regular files"
+            elif not full.is_file():
+                odd[rel] = "is not a regular file"
+            else:
+                files[rel] = full
+    return files, odd
+
+
+def file_entries(root: Path) -> list[dict[str, Any]]:
+    """``{"path", "bytes", "sha256"}`` for every payload file under root, sorted by path.
+
+    manifest.json and build.json at the top level are not payload. Raises ArtifactError for
+    symlinks and special files, which an artifact must not contain.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        raise ArtifactError(f"{root}: not a folder")
+    files, odd = _scan(root)
+    if odd:
+        raise ArtifactError("\n".join(f"{root / rel}: {why}" for rel, why in sorted(odd.items())))
+    return [
+        {"path": rel, "bytes": files[rel].stat().st_size, "sha256": sha256_file(files[rel])}
+        for rel in sorted(files)
+    ]
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def _check_json(value: Any, where: str, file: Path) -> None:
+    """Refuse what would make the manifest non-deterministic or not strict JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ArtifactError(f"{file}: {where} is {value}; NaN and infinity are not allowed in a manifest")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise ArtifactError(f"{file}: {where} has a non-string key {key!r}")
+            _check_json(item, f"{where}.{key}", file)
+    elif isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            _check_json(item, f"{where}[{i}]", file)
+    elif not (value is None or isinstance(value, str | int | float)):
+        raise ArtifactError(f"{file}: {where} is a {type(value).__name__}, not JSON data")
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(text.encode("utf-8"))
+    os.replace(tmp, path)
+
+
+def write_manifest(root: Path, manifest: dict[str, Any]) -> Path:
+    """Fill ``schema_version`` and ``files`` into ``manifest`` (in place) and write manifest.json.
+
+    The bytes are deterministic: sorted keys, 2-space indent, UTF-8, trailing newline. Floats
+    must be finite. Call this last, once every payload file is in place.
+    """
+    root = Path(root)
+    path = root / MANIFEST
+    if not isinstance(manifest, dict):
+        raise ArtifactError(f"{path}: the manifest must be a dict, got {type(manifest).__name__}")
+    for key in ("name", "version"):
+        if not isinstance(manifest.get(key), str) or not manifest[key]:
+            raise ArtifactError(f"{path}: the manifest needs a non-empty string '{key}'")
+    manifest["schema_version"] = SCHEMA_VERSION
+    manifest["files"] = file_entries(root)
+    _check_json(manifest, "manifest", path)
+    _atomic_write(path, json.dumps(manifest, sort_keys=True, indent=2, ensure_ascii=False) + "\n")
+    log.debug("wrote %s (%d payload files)", path, len(manifest["files"]))
+    return path
+
+
+def write_build_info(root: Path, info: dict[str, Any]) -> Path:
+    """Write build.json: the run-to-run facts (timings, host, absolute paths). Paths become strings."""
+    path = Path(root) / BUILD_INFO
+
+    def default(value: Any) -> Any:
+        if isinstance(value, os.PathLike):
+            return os.fspath(value)
+        raise TypeError(f"{type(value).__name__} is not JSON data")
+
+    try:
+        text = json.dumps(
+            info, sort_keys=True, indent=2, ensure_ascii=False, allow_nan=False, default=default
+        )
+    except (TypeError, ValueError) as exc:
+        raise ArtifactError(f"{path}: cannot write build info: {exc}") from exc
+    _atomic_write(path, text + "\n")
+    return path
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _major(version: str) -> int:
+    return int(version.split(".", 1)[0])
+
+
+def _check_files(path: Path, files: Any) -> None:
+    if not isinstance(files, list):
+        raise ArtifactError(f"{path}: 'files' must be a list")
+    seen: set[str] = set()
+    for i, entry in enumerate(files):
+        where = f"{path}: files[{i}]"
+        if not isinstance(entry, dict):
+            raise ArtifactError(f"{where} must be an object with path, bytes and sha256")
+        rel = entry.get("path")
+        if not isinstance(rel, str) or not rel:
+            raise ArtifactError(f"{where}.path must be a non-empty string")
+        pure = PurePosixPath(rel)
+        if pure.is_absolute() or "\\" in rel or any(part in ("", ".", "..") for part in rel.split("/")):
+            raise ArtifactError(f"{where}.path {rel!r} must be a relative path inside the artifact")
+        if rel in _NOT_PAYLOAD or rel in seen:
+            raise ArtifactError(f"{where}.path {rel!r} is reserved or listed twice")
+        seen.add(rel)
+        size = entry.get("bytes")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise ArtifactError(f"{where}.bytes must be a non-negative integer ({rel})")
+        if not isinstance(entry.get("sha256"), str) or not _SHA256.match(entry["sha256"]):
+            raise ArtifactError(f"{where}.sha256 must be 64 lowercase hex digits ({rel})")
+
+
+def read_manifest(root: Path) -> dict[str, Any]:
+    """Read and check manifest.json; refuse a schema of another major version."""
+    root = Path(root)
+    path = root / MANIFEST
+    if not root.is_dir():
+        raise ArtifactError(f"{root}: no such artifact folder")
+    if not path.is_file():
+        raise ArtifactError(f"{path}: missing; {root} is not a built artifact")
+    try:
+        manifest = json.loads(path.read_bytes().decode("utf-8"), parse_constant=_reject_constant)
+    except json.JSONDecodeError as exc:
+        raise ArtifactError(
+            f"{path}: not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})"
+        ) from exc
+    except (UnicodeDecodeError, ValueError, OSError) as exc:
+        raise ArtifactError(f"{path}: unreadable: {exc}") from exc
+    if not isinstance(manifest, dict):
+        raise ArtifactError(f"{path}: must hold a JSON object")
+    schema = manifest.get("schema_version")
+    if not isinstance(schema, str) or not _SEMVER.match(schema):
+        raise ArtifactError(f"{path}: 'schema_version' must be a semver string, got {schema!r}")
+    if _major(schema) != _major(SCHEMA_VERSION):
+        raise IncompatibleArtifactError(
+            f"{path}: artifact schema {schema} is not supported by this runtime "
+            f"(supports {_major(SCHEMA_VERSION)}.x, {SCHEMA_VERSION})"
+        )
+    if schema != SCHEMA_VERSION:
+        log.info("%s: artifact schema %s, this runtime reads %s", path, schema, SCHEMA_VERSION)
+    for key in ("name", "version"):
+        if not isinstance(manifest.get(key), str) or not manifest[key]:
+            raise ArtifactError(f"{path}: '{key}' must be a non-empty string")
+    _check_files(path, manifest.get("files"))
+    return manifest
+
+
+def _verify(root: Path, manifest: dict[str, Any]) -> list[str]:
+    listed = {e["path"]: e for e in manifest["files"]}
+    found, odd = _scan(root)
+    problems: dict[str, str] = {}
+    for rel, why in odd.items():
+        problems[rel] = f"{rel}: {why}"
+    for rel, entry in listed.items():
+        if rel in problems:
+            continue
+        if rel not in found:
+            problems[rel] = f"{rel}: missing (listed in {MANIFEST})"
+            continue
+        size = found[rel].stat().st_size
+        if size != entry["bytes"]:
+            problems[rel] = f"{rel}: size differs (expected {entry['bytes']} bytes, found {size})"
+            continue
+        digest = sha256_file(found[rel])
+        if digest != entry["sha256"]:
+            problems[rel] = f"{rel}: sha256 differs (expected {entry['sha256']}, found {digest})"
+    for rel in found.keys() - listed.keys():
+        problems[rel] = f"{rel}: extra file, not listed in {MANIFEST}"
+    return [problems[rel] for rel in sorted(problems)]
+
+
+def verify_artifact(root: Path) -> list[str]:
+    """Check every payload file against the manifest; one problem string per bad file, [] if intact.
+
+    Raises ArtifactError (or IncompatibleArtifactError) when the manifest itself is unusable.
+    """
+    root = Path(root)
+    return _verify(root, read_manifest(root))
+
+
+# --------------------------------------------------------------------------- the loaded artifact
+
+
+@dataclass
+class Artifact:
+    """An artifact folder and its manifest, checked on open."""
+
+    root: Path
+    manifest: dict[str, Any]
+
+    @classmethod
+    def open(cls, path: str | Path, verify: bool = True) -> Artifact:
+        """Read the manifest and (by default) verify every file; raise ArtifactError on any problem."""
+        root = Path(path)
+        manifest = read_manifest(root)
+        if verify:
+            problems = _verify(root, manifest)
+            if problems:
+                listing = "\n".join(f"  {p}" for p in problems)
+                raise ArtifactError(
+                    f"artifact {root} failed verification ({len(problems)} problem(s)):\n{listing}"
+                )
+        return cls(root=root, manifest=manifest)
+
+    @property
+    def name(self) -> str:
+        return str(self.manifest["name"])
+
+    @property
+    def version(self) -> str:
+        return str(self.manifest["version"])
+
+    @property
+    def runtime_config(self) -> dict[str, Any]:
+        """The serving defaults from runtime.json."""
+        path = self.root / "runtime.json"
+        try:
+            config = json.loads(path.read_bytes().decode("utf-8"), parse_constant=_reject_constant)
+        except FileNotFoundError as exc:
+            raise ArtifactError(f"{path}: missing") from exc
+        except (OSError, ValueError) as exc:
+            raise ArtifactError(f"{path}: unreadable: {exc}") from exc
+        if not isinstance(config, dict):
+            raise ArtifactError(f"{path}: must hold a JSON object")
+        return config
+
+    @property
+    def model_path(self) -> Path:
+        return self.root / "model.onnx"
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        return self.root / "tokenizer"
+
+    def manifest_sha256(self) -> str:
+        """sha256 of the manifest.json bytes: one id for everything the artifact holds."""
+        return sha256_file(self.root / MANIFEST)
+
+
+def check_version_unused(output_root: Path, name: str, version: str) -> Path:
+    """``output_root/name/version``, refusing a version folder that already holds anything."""
+    for what, value in (("name", name), ("version", version)):
+        if not isinstance(value, str) or not value or value in (".", "..") or "/" in value or "\\" in value:
+            raise ArtifactError(f"artifact {what} {value!r} is not a single folder name")
+    dest = Path(output_root) / name / version
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise ArtifactError(
+            f"artifact {name} {version} already exists at {dest}; versions are immutable: "
+            "bump `version` in the recipe or remove it"
+        )
+    return dest
+
+
+# --------------------------------------------------------------------------- describing
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={_short(v)}" for k, v in value.items()) or "-"
+    if isinstance(value, list | tuple):
+        return ", ".join(_short(v) for v in value) or "-"
+    return "-" if value is None else str(value)
+
+
+def _line(value: Any, limit: int = 200) -> str:
+    text = _short(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _sha_of(section: Any) -> str:
+    if isinstance(section, dict):
+        return str(section.get("sha256", _line(section)))
+    return _line(section)
+
+
+def describe(manifest: dict[str, Any]) -> list[tuple[str, str]]:
+    """(label, value) rows summarising a manifest, for ``optimize inspect``."""
+    rows: list[tuple[str, str]] = [
+        ("name", _line(manifest.get("name"))),
+        ("version", _line(manifest.get("version"))),
+        ("schema", _line(manifest.get("schema_version"))),
+    ]
+    if "created_by" in manifest:
+        rows.append(("created by", _line(manifest["created_by"])))
+    rows.append(("source sha256", _sha_of(manifest.get("source"))))
+    rows.append(("recipe sha256", _sha_of(manifest.get("recipe"))))
+    target = manifest.get("target")
+    if isinstance(target, dict):
+        main = [str(target[k]) for k in ("backend", "device", "dtype") if k in target]
+        rest = {k: v for k, v in target.items() if k not in ("backend", "device", "dtype")}
+        rows.append(("target", " ".join(main) + (f" ({_short(rest)})" if rest else "")))
+    else:
+        rows.append(("target", _line(target)))
+    for i, entry in enumerate(manifest.get("passes") or []):
+        if isinstance(entry, dict):
+            rows.append((f"pass {entry.get('name', i)}", _line(entry.get("stats") or "-")))
+        else:
+            rows.append((f"pass {i}", _line(entry)))
+    for key, label in (("kernels", "kernels"), ("cuda_graphs", "cuda graphs"), ("quality", "quality")):
+        if key in manifest:
+            rows.append((label, _line(manifest[key])))
+    files = [f for f in manifest.get("files") or [] if isinstance(f, dict)]
+    total = sum(int(f.get("bytes", 0)) for f in files)
+    rows.append(("files", f"{len(files)} files, {total:,} bytes ({total / 2**20:.1f} MiB)"))
+    return rows

@@ -1,0 +1,101 @@
+"""ONNX Runtime backend: runs an artifact's model.onnx on one ForwardBatch and owns the KV pools.
+
+The graph reads the per-layer pools [num_blocks, block_size, kv_heads, head_dim] and returns the
+step's new K/V; this backend scatters them into the pools at `slot_mapping` (C core) after the
+run. Numpy arrays are handed to ONNX Runtime without copies.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from runtime.forward_batch import ForwardBatch
+
+log = logging.getLogger(__name__)
+
+_NP_DTYPES = {"float32": np.float32, "float16": np.float16}
+
+
+class OnnxRuntimeBackend:
+    """ForwardBatch -> logits on ONNX Runtime (CPU execution provider by default)."""
+
+    def __init__(
+        self,
+        model_path: Path,
+        config: dict[str, Any],
+        num_blocks: int | None = None,
+        providers: list[str] | None = None,
+        intra_op_threads: int | None = None,
+    ) -> None:
+        try:
+            import onnxruntime as ort
+        except ImportError as e:  # pragma: no cover - depends on the install
+            raise RuntimeError("onnxruntime is not installed: pip install onnxruntime") from e
+        from runtime.core import scatter_kv_layers
+
+        self._scatter = scatter_kv_layers
+        kv = config["kv_cache"]
+        model = config["model"]
+        self.block_size = int(kv["block_size"])
+        self.num_blocks = int(num_blocks if num_blocks is not None else kv["num_blocks"])
+        self.num_layers = int(model["num_layers"])
+        self.kv_heads = int(model["num_kv_heads"])
+        self.head_dim = int(model["head_dim"])
+        self.vocab_size = int(model["vocab_size"])
+        dtype = _NP_DTYPES.get(kv.get("dtype", "float32"))
+        if dtype is None:
+            raise RuntimeError(f"KV cache dtype {kv.get('dtype')!r} is not supported by the ONNX Runtime backend")
+        self.kv_dtype = dtype
+        so = ort.SessionOptions()
+        threads = intra_op_threads or int(os.environ.get("OPTIMIZE_ORT_THREADS", "0"))
+        if threads:
+            so.intra_op_num_threads = threads
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        providers = providers or ["CPUExecutionProvider"]
+        available = ort.get_available_providers()
+        missing = [p for p in providers if p not in available]
+        if missing:
+            raise RuntimeError(
+                f"ONNX Runtime execution provider(s) {missing} not available (have {available}); "
+                "install onnxruntime-gpu for CUDA, or build a CPU target"
+            )
+        self.session = ort.InferenceSession(str(model_path), so, providers=providers)
+        self.input_names = [i.name for i in self.session.get_inputs()]
+        self.output_names = [o.name for o in self.session.get_outputs()]
+        expected = config["graph"]["inputs"]
+        if self.input_names != expected:
+            raise RuntimeError(f"{model_path.name}: graph inputs {self.input_names} differ from runtime.json {expected}")
+        shape = (self.num_blocks, self.block_size, self.kv_heads, self.head_dim)
+        self.k_pools = [np.zeros(shape, dtype=self.kv_dtype) for _ in range(self.num_layers)]
+        self.v_pools = [np.zeros(shape, dtype=self.kv_dtype) for _ in range(self.num_layers)]
+        self._kv_feeds: dict[str, np.ndarray] = {}
+        for i in range(self.num_layers):
+            self._kv_feeds[f"key_cache.{i}"] = self.k_pools[i]
+            self._kv_feeds[f"value_cache.{i}"] = self.v_pools[i]
+        log.info("ONNX Runtime session on %s, KV pool %s x %d layers", providers, shape, self.num_layers)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return 2 * sum(p.nbytes for p in self.k_pools)
+
+    def forward(self, batch: ForwardBatch) -> np.ndarray:
+        """Run one step: returns logits [len(logits_index), vocab] float32 and writes the step's K/V."""
+        feeds = {
+            "input_ids": batch.input_ids,
+            "positions": batch.positions,
+            "cu_seqlens": batch.cu_seqlens,
+            "past_lens": batch.past_lens,
+            "block_table": batch.block_table,
+            "logits_index": batch.logits_index,
+            **self._kv_feeds,
+        }
+        outs = self.session.run(None, feeds)
+        new_k = outs[1::2]
+        new_v = outs[2::2]
+        self._scatter(self.k_pools + self.v_pools, list(new_k) + list(new_v), batch.slot_mapping)
+        return outs[0]

@@ -1,0 +1,334 @@
+"""Request lifecycle: queue -> prefill (chunked) -> decode -> finish/abort, on one artifact.
+
+`LLMEngine.step()` is the whole loop: schedule, pack, run the model, sample, then apply stop
+conditions. The scheduler (runtime/core) owns the KV blocks; the backend sees only ForwardBatches.
+`LLM` is the offline API: `LLM(artifact).generate(prompts, SamplingParams(...))`.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import json
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from runtime.artifact import Artifact
+from runtime.core import CORE_IMPL, Scheduler, SchedulerConfig
+from runtime.sampling import Sampler, SamplingParams, make_generator
+
+log = logging.getLogger(__name__)
+
+
+class RequestStatus(enum.IntEnum):
+    """Lifecycle order: everything after RUNNING is finished."""
+
+    WAITING = 0
+    RUNNING = 1
+    FINISHED_STOPPED = 2  # EOS, a stop token or a stop string
+    FINISHED_LENGTH = 3  # max_tokens or the model's context
+    FINISHED_ABORTED = 4
+
+    @property
+    def finished(self) -> bool:
+        return self > RequestStatus.RUNNING
+
+
+FINISH_REASON = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    text: str  # all text generated so far (stop string excluded)
+    token_ids: list[int]  # all tokens generated so far
+    new_text: str  # text added since the previous output of this request
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+
+
+@dataclass
+class RequestMetrics:
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+
+@dataclass
+class _Request:
+    request_id: str
+    seq_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: np.random.Generator
+    metrics: RequestMetrics
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    emitted: int = 0  # characters of `text` already handed out
+    emitted_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+
+
+class Tokenizer:
+    """The artifact's tokenizer (tokenizers' Tokenizer from tokenizer/tokenizer.json)."""
+
+    def __init__(self, folder: Path) -> None:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        self._tok = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+        cfg_path = folder / "tokenizer_config.json"
+        self.config: dict[str, Any] = json.loads(cfg_path.read_text("utf-8")) if cfg_path.is_file() else {}
+        self.vocab_size = self._tok.get_vocab_size()
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=True)
+
+
+def _load_backend(artifact: Artifact, num_blocks: int | None, threads: int | None) -> Any:
+    cfg = artifact.runtime_config
+    backend = cfg.get("backend")
+    if backend == "onnxruntime":
+        from runtime.backends.onnxruntime import OnnxRuntimeBackend
+
+        providers = ["CUDAExecutionProvider"] if cfg.get("device") == "cuda" else ["CPUExecutionProvider"]
+        return OnnxRuntimeBackend(artifact.model_path, cfg, num_blocks=num_blocks, providers=providers,
+                                  intra_op_threads=threads)
+    raise RuntimeError(f"artifact backend {backend!r} is not available in this runtime (have: onnxruntime)")
+
+
+class LLMEngine:
+    """Continuous batching over one artifact: add requests at any time, call `step()` until done."""
+
+    def __init__(
+        self,
+        artifact: str | Path | Artifact,
+        *,
+        verify: bool = True,
+        num_blocks: int | None = None,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        max_model_len: int | None = None,
+        threads: int | None = None,
+    ) -> None:
+        self.artifact = artifact if isinstance(artifact, Artifact) else Artifact.open(artifact, verify=verify)
+        cfg = self.artifact.runtime_config
+        self.backend = _load_backend(self.artifact, num_blocks, threads)
+        sched = cfg["scheduler"]
+        self.scheduler_config = SchedulerConfig(
+            block_size=self.backend.block_size,
+            num_blocks=self.backend.num_blocks,
+            max_num_seqs=max_num_seqs or sched["max_num_seqs"],
+            max_num_batched_tokens=max_num_batched_tokens or sched["max_num_batched_tokens"],
+            max_model_len=min(max_model_len or sched["max_model_len"], sched["max_model_len"]),
+        )
+        self.scheduler = Scheduler(self.scheduler_config)
+        self.tokenizer = Tokenizer(self.artifact.tokenizer_dir)
+        self.sampler = Sampler()
+        model = cfg["model"]
+        self.vocab_size = int(model["vocab_size"])
+        self.eos_token_ids = set(model.get("eos_token_ids") or [])
+        self._requests: dict[str, _Request] = {}
+        self._by_seq: dict[int, _Request] = {}
+        self._seq_ids = itertools.count()
+        self.stats = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "prefill_tokens": 0, "decode_tokens": 0}
+        log.info("engine ready: %s %s, core=%s", self.artifact.name, self.artifact.version, CORE_IMPL)
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None) -> None:
+        params = params or SamplingParams()
+        params.validate()
+        if params.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {params.max_tokens}")
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        limit = self.scheduler_config.max_model_len
+        if len(ids) >= limit:
+            raise ValueError(f"the prompt has {len(ids)} tokens; this artifact serves at most {limit} "
+                             "tokens per sequence (prompt + output), so at most "
+                             f"{limit - 1} prompt tokens")
+        seq_id = next(self._seq_ids)
+        req = _Request(request_id, seq_id, ids, params, make_generator(params.seed),
+                       RequestMetrics(arrival=time.perf_counter()))
+        self.scheduler.add(seq_id, ids)
+        self._requests[request_id] = req
+        self._by_seq[seq_id] = req
+        self.stats["prompt_tokens"] += len(ids)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now; its KV blocks are freed at once."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return
+        self.scheduler.abort(req.seq_id)
+        self._by_seq.pop(req.seq_id, None)
+        req.status = RequestStatus.FINISHED_ABORTED
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    # ---- the step -----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model, sample, apply stop conditions; outputs of requests that changed."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        fb = self.scheduler.pack(batch)
+        logits = self.backend.forward(fb)
+        now = time.perf_counter()
+        sampled_entries = [e for e in batch.entries if e.needs_logits]
+        reqs = [self._by_seq[e.seq_id] for e in sampled_entries]
+        for e in batch.entries:
+            r = self._by_seq[e.seq_id]
+            if r.metrics.first_scheduled is None:
+                r.metrics.first_scheduled = now
+            decode = e.num_tokens == 1 and e.start >= len(r.prompt_ids)
+            self.stats["decode_tokens" if decode else "prefill_tokens"] += e.num_tokens
+        tokens = self.sampler.sample(logits, [r.params for r in reqs], [r.generator for r in reqs]) if reqs else []
+        self.scheduler.update(batch, {e.seq_id: int(t) for e, t in zip(sampled_entries, tokens, strict=True)})
+        self.stats["steps"] += 1
+        outputs = []
+        for r, tok in zip(reqs, tokens, strict=True):
+            out = self._append(r, int(tok), now)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def _append(self, r: _Request, tok: int, now: float) -> RequestOutput | None:
+        r.status = RequestStatus.RUNNING
+        if r.metrics.first_token is None:
+            r.metrics.first_token = now
+        p = r.params
+        self.stats["generation_tokens"] += 1
+        if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+            r.status = RequestStatus.FINISHED_STOPPED
+        else:
+            r.output_ids.append(tok)
+            r.text = self.tokenizer.decode(r.output_ids)
+            if p.stop:
+                hit = _find_stop(r.text, p.stop, r.emitted)
+                if hit is not None:
+                    r.text = r.text[:hit]
+                    r.status = RequestStatus.FINISHED_STOPPED
+            if not r.status.finished:
+                if len(r.output_ids) >= p.max_tokens:
+                    r.status = RequestStatus.FINISHED_LENGTH
+                elif len(r.prompt_ids) + len(r.output_ids) >= self.scheduler_config.max_model_len:
+                    r.status = RequestStatus.FINISHED_LENGTH
+        if r.status.finished:
+            r.metrics.finished = now
+            self.scheduler.finish(r.seq_id)
+            self._requests.pop(r.request_id, None)
+            self._by_seq.pop(r.seq_id, None)
+        return self._output(r)
+
+    def _output(self, r: _Request) -> RequestOutput | None:
+        finished = r.status.finished
+        # Hold back an incomplete UTF-8 character and a possible stop-string prefix while streaming.
+        visible = len(r.text)
+        if not finished:
+            if r.text.endswith("\ufffd"):
+                visible = len(r.text.rstrip("\ufffd"))
+            for s in r.params.stop:
+                for k in range(min(len(s) - 1, visible), 0, -1):
+                    if r.text[:visible].endswith(s[:k]):
+                        visible -= k
+                        break
+        visible = max(visible, r.emitted)
+        new_text = r.text[r.emitted:visible]
+        new_ids = r.output_ids[r.emitted_tokens:]
+        if not new_text and not new_ids and not finished:
+            return None
+        r.emitted = visible
+        r.emitted_tokens = len(r.output_ids)
+        return RequestOutput(
+            request_id=r.request_id,
+            prompt_token_ids=r.prompt_ids,
+            text=r.text[:visible],
+            token_ids=list(r.output_ids),
+            new_text=new_text,
+            new_token_ids=new_ids,
+            finished=finished,
+            finish_reason=FINISH_REASON.get(r.status),
+        )
+
+
+def _find_stop(text: str, stops: list[str], emitted: int) -> int | None:
+    """Index where the earliest stop string starts in the not-yet-final tail of `text`, or None."""
+    start = max(0, emitted - max(len(s) for s in stops))
+    hits = [i for s in stops if (i := text.find(s, start)) >= 0]
+    return min(hits) if hits else None
+
+
+class LLM:
+    """Offline generation from an artifact: `LLM(path).generate(prompts, params)`."""
+
+    def __init__(self, artifact: str | Path, **engine_kwargs: Any) -> None:
+        self.engine = LLMEngine(artifact, **engine_kwargs)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion (continuous batching); outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        plist = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
+        ids = [f"gen-{next(self._ids)}" for _ in prompts]
+        for rid, prompt, p in zip(ids, prompts, plist, strict=True):
+            self.engine.add_request(rid, prompt, p)  # type: ignore[arg-type]
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            for out in self.engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[r] for r in ids]
+
+    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yield outputs of one request as tokens are produced (each with its `new_text`)."""
+        rid = f"stream-{next(self._ids)}"
+        self.engine.add_request(rid, prompt, params)
+        try:
+            while True:
+                for out in self.engine.step():
+                    if out.request_id == rid:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            self.engine.abort(rid)
