@@ -193,13 +193,18 @@ def reference_perplexity(ctx: BuildContext, tokenizer: Any, path: Path, max_toke
     return math.exp(nll / count)
 
 
-def build(recipe_path: str | Path, progress: bool = True) -> Path:
-    """Run the recipe; returns the artifact folder. Raises RecipeError/BuildError and leaves nothing."""
+def build(recipe_path: str | Path, progress: bool = True, output: str | Path | None = None) -> Path:
+    """Run the recipe; returns the artifact folder. Raises RecipeError/BuildError and leaves nothing.
+
+    `output` overrides the recipe's output folder (the artifact goes to <output>/<name>/<version>).
+    """
     t0 = time.perf_counter()
     p = plan(recipe_path)
     recipe = p.recipe
-    final = check_version_unused(recipe.output, recipe.name, recipe.version)
+    out_root = Path(output).resolve() if output is not None else recipe.output
+    final = check_version_unused(out_root, recipe.name, recipe.version)
     staging = final.parent / f".{recipe.version}.staging-{os.getpid()}"
+    created_parent = not final.parent.exists()
     if staging.exists():
         shutil.rmtree(staging)
     staging.mkdir(parents=True)
@@ -254,6 +259,11 @@ def build(recipe_path: str | Path, progress: bool = True) -> Path:
         staging.rename(final)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
+        if created_parent:
+            try:
+                final.parent.rmdir()  # leave no empty <name>/ folder behind either
+            except OSError:
+                pass
         raise
     log.info("built %s in %.1f s", final, timings["total"])
     return final

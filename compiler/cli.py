@@ -47,7 +47,9 @@ def main(verbose: int) -> None:
 @click.argument("recipe", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--dry-run", is_flag=True, help="Check recipe and checkpoint, print the plan and estimates; build nothing.")
 @click.option("--no-progress", is_flag=True, help="No progress display.")
-def build(recipe: Path, dry_run: bool, no_progress: bool) -> None:
+@click.option("-o", "--output", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Output folder (overrides the recipe's `output`).")
+def build(recipe: Path, dry_run: bool, no_progress: bool, output: Path | None) -> None:
     """Build RECIPE (YAML) into artifacts/<name>/<version>/."""
     from compiler.build import BuildError, RecipeError, plan
     from runtime.artifact import ArtifactError
@@ -62,7 +64,7 @@ def build(recipe: Path, dry_run: bool, no_progress: bool) -> None:
 
         t = time.perf_counter()
         try:
-            out = run_build(recipe, progress=not no_progress and sys.stderr.isatty())
+            out = run_build(recipe, progress=not no_progress and sys.stderr.isatty(), output=output)
         except QualityGateError as e:
             _fail(f"{e}\nno artifact was written")
             return

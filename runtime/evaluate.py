@@ -51,7 +51,7 @@ def perplexity(
     ids: list[int],
     chunk_len: int = 256,
     max_tokens: int | None = None,
-    seqs_per_step: int = 2,
+    seqs_per_step: int = 1,
     progress: Callable[[int, int], None] | None = None,
 ) -> PerplexityResult:
     """Score `ids` chunk by chunk with `backend.forward` (blocks 0.. of its pool are reused)."""

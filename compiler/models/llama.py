@@ -101,25 +101,22 @@ class Attention(nn.Module):
 
         group = self.h // self.kvh
         qg = q.view(t, self.kvh, group, self.d)
-        # Past keys/values of each token's sequence, gathered from the pool: [T, Lp, kvh, d].
-        flat_k = k_cache.reshape(-1, self.kvh, self.d)
-        flat_v = v_cache.reshape(-1, self.kvh, self.d)
-        kp = flat_k[ctx.past_slots]
-        vp = flat_v[ctx.past_slots]
-        s_past = torch.einsum("tkgd,tlkd->tkgl", qg, kp)
-        s_new = torch.einsum("tkgd,skd->tkgs", qg, k)
-        past_ok, new_ok = ctx.past_mask, ctx.new_mask
-        if self.window is not None:
-            past_ok = past_ok & (ctx.past_pos > ctx.positions.unsqueeze(1) - self.window)
-            new_ok = new_ok & (ctx.positions.unsqueeze(0) > ctx.positions.unsqueeze(1) - self.window)
-        scores = torch.cat([s_past, s_new], dim=-1) * self.scale  # [T, kvh, g, Lp + T]
-        mask = torch.cat([past_ok, new_ok], dim=-1)[:, None, None, :]
-        scores = scores.masked_fill(~mask, float("-inf"))
+        # Past K/V of each token's sequence, gathered from the pool as [T, kvh, Lp, d] (heads before
+        # positions, so the products below are plain batched MatMuls).
+        qg = qg * self.scale
+        rows = ctx.past_index.reshape(-1)
+        kp = torch.index_select(k_cache.reshape(-1, self.d), 0, rows).view(t, self.kvh, -1, self.d)
+        vp = torch.index_select(v_cache.reshape(-1, self.d), 0, rows).view(t, self.kvh, -1, self.d)
+        s_past = torch.matmul(qg, kp.transpose(-1, -2))  # [T, kvh, g, Lp]
+        # This step's own keys: one GEMM per KV head over all tokens, masked to the same sequence.
+        qh = qg.permute(1, 0, 2, 3).reshape(self.kvh, t * group, self.d)
+        s_new = torch.matmul(qh, k.permute(1, 2, 0)).view(self.kvh, t, group, t).permute(1, 0, 2, 3)
+        scores = torch.cat([s_past, s_new], dim=-1) + ctx.bias(self.window)  # [T, kvh, g, Lp + T]
         probs = torch.softmax(scores.to(torch.float32), dim=-1).to(q.dtype)
-        lp = kp.shape[1]
-        out = torch.einsum("tkgl,tlkd->tkgd", probs[..., :lp], vp) + torch.einsum(
-            "tkgs,skd->tkgd", probs[..., lp:], v
-        )
+        lp = kp.shape[2]
+        p_new = probs[..., lp:].permute(1, 0, 2, 3).reshape(self.kvh, t * group, t)
+        out_new = torch.matmul(p_new, v.permute(1, 0, 2)).view(self.kvh, t, group, self.d).permute(1, 0, 2, 3)
+        out = torch.matmul(probs[..., :lp], vp) + out_new  # [T, kvh, g, d]
         return self.o_proj(out.reshape(t, self.h * self.d)), k, v
 
 
@@ -133,6 +130,7 @@ class AttentionContext:
         past_lens: torch.Tensor,
         block_table: torch.Tensor,
         block_size: int,
+        num_kv_heads: int,
     ) -> None:
         t = positions.shape[0]
         tok = torch.arange(t, dtype=torch.int64)
@@ -141,13 +139,29 @@ class AttentionContext:
         lp = block_table.shape[1] * block_size
         j = torch.arange(lp, dtype=torch.int64)
         bt = block_table.to(torch.int64).clamp(min=0)[seq]  # [T, max_blocks]
-        self.past_slots = bt[:, j // block_size] * block_size + (j % block_size)  # [T, Lp]
+        past_slots = bt[:, j // block_size] * block_size + (j % block_size)  # [T, Lp]
+        heads = torch.arange(num_kv_heads, dtype=torch.int64)
+        # Row of the pool viewed as [num_blocks * block_size * kv_heads, head_dim]: [T, kvh, Lp]
+        self.past_index = past_slots.unsqueeze(1) * num_kv_heads + heads.view(1, -1, 1)
         self.past_pos = j.unsqueeze(0)
         self.past_mask = j.unsqueeze(0) < past_lens.to(torch.int64)[seq].unsqueeze(1)  # [T, Lp]
         self.new_mask = (seq.unsqueeze(1) == seq.unsqueeze(0)) & (
             positions.unsqueeze(0) <= positions.unsqueeze(1)
         )  # [T, T]
         self.positions = positions
+        self._bias: dict[int | None, torch.Tensor] = {}
+
+    def bias(self, window: int | None) -> torch.Tensor:
+        """Additive mask [T, 1, 1, Lp + T] (0 or -inf), built once per step for each window size."""
+        if window not in self._bias:
+            past_ok, new_ok = self.past_mask, self.new_mask
+            if window is not None:
+                past_ok = past_ok & (self.past_pos > self.positions.unsqueeze(1) - window)
+                new_ok = new_ok & (self.positions.unsqueeze(0) > self.positions.unsqueeze(1) - window)
+            ok = torch.cat([past_ok, new_ok], dim=-1)[:, None, None, :]
+            zero = torch.zeros((), dtype=torch.float32)
+            self._bias[window] = torch.where(ok, zero, torch.full((), float("-inf")))
+        return self._bias[window]
 
 
 class MLP(nn.Module):
@@ -193,11 +207,12 @@ class LlamaForwardBatchModel(nn.Module):
         logits_index: torch.Tensor,
         *kv_cache: torch.Tensor,  # k_0, v_0, k_1, v_1, ...
     ) -> tuple[torch.Tensor, ...]:
+        cfg = self.cfg
         x = self.embed_tokens(input_ids)
         freqs = positions.to(torch.float32).unsqueeze(1) * self.inv_freq.unsqueeze(0)
         emb = torch.cat([freqs, freqs], dim=-1)
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-        ctx = AttentionContext(positions, cu_seqlens, past_lens, block_table, self.block_size)
+        ctx = AttentionContext(positions, cu_seqlens, past_lens, block_table, self.block_size, cfg.num_kv_heads)
         new_kv: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
             h, k, v = layer.self_attn(layer.input_layernorm(x), cos, sin, ctx, kv_cache[2 * i], kv_cache[2 * i + 1])

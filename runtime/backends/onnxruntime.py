@@ -85,12 +85,15 @@ class OnnxRuntimeBackend:
 
     def forward(self, batch: ForwardBatch) -> np.ndarray:
         """Run one step: returns logits [len(logits_index), vocab] float32 and writes the step's K/V."""
+        # The graph reads block_table only for the past (cached) tokens; this step's own K/V come
+        # from the step itself. Trimming the table to the past blocks keeps the gather minimal.
+        past_blocks = max(1, -(-int(batch.past_lens.max(initial=0)) // self.block_size))
         feeds = {
             "input_ids": batch.input_ids,
             "positions": batch.positions,
             "cu_seqlens": batch.cu_seqlens,
             "past_lens": batch.past_lens,
-            "block_table": batch.block_table,
+            "block_table": np.ascontiguousarray(batch.block_table[:, :past_blocks]),
             "logits_index": batch.logits_index,
             **self._kv_feeds,
         }

@@ -1,0 +1,70 @@
+"""Shared fixtures: the demo artifact (built once per session) and small random checkpoints."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO_MODEL = ROOT / "models" / "pycode-llama-6m"
+DEMO_RECIPE = ROOT / "recipes" / "demo.yaml"
+
+
+@pytest.fixture(scope="session")
+def demo_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """recipes/demo.yaml built once into a temporary output folder."""
+    from compiler.build import build
+
+    out = tmp_path_factory.mktemp("demo-artifacts")
+    return build(DEMO_RECIPE, progress=False, output=out)
+
+
+def write_recipe(folder: Path, checkpoint: Path, name: str = "test-model", passes: str | None = None,
+                 extra: str = "", runtime: str | None = None) -> Path:
+    """A recipe file for `checkpoint` in `folder` (absolute paths), output to folder/artifacts."""
+    passes = passes or "  - name: capture\n  - name: lower_onnx\n  - name: package\n"
+    runtime = runtime or ("  kv_block_size: 16\n  num_kv_blocks: 256\n  max_num_seqs: 8\n"
+                          "  max_num_batched_tokens: 256\n  max_model_len: 512\n")
+    text = (f"name: {name}\nversion: 1.0.0\nsource:\n  checkpoint: {checkpoint}\n"
+            "target:\n  backend: onnxruntime\n  device: cpu\n  dtype: float32\n"
+            f"passes:\n{passes}runtime:\n{runtime}{extra}output: {folder / 'artifacts'}\n")
+    path = folder / f"{name}.yaml"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def make_random_checkpoint(folder: Path, arch: str, seed: int = 0, **overrides: object) -> Path:
+    """A small random Hugging Face checkpoint (safetensors + the demo tokenizer), GQA."""
+    import torch
+    import transformers
+
+    common = dict(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  bos_token_id=0, eos_token_id=1, pad_token_id=2, tie_word_embeddings=False)
+    if arch == "LlamaForCausalLM":
+        cfg = transformers.LlamaConfig(**common, rope_theta=10000.0)
+    elif arch == "MistralForCausalLM":
+        cfg = transformers.MistralConfig(**common, sliding_window=None)
+    elif arch == "Qwen2ForCausalLM":
+        cfg = transformers.Qwen2Config(**common)
+    elif arch == "Qwen3ForCausalLM":
+        cfg = transformers.Qwen3Config(**common, head_dim=16)
+    else:
+        raise ValueError(arch)
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    torch.manual_seed(seed)
+    model = getattr(transformers, arch)(cfg).eval()
+    with torch.no_grad():  # larger weights than the init so logits are far from uniform
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.mul_(4.0)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder, safe_serialization=True)
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copyfile(DEMO_MODEL / f, folder / f)
+    json.loads((folder / "config.json").read_text())  # written and readable
+    return folder
