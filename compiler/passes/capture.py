@@ -33,7 +33,7 @@ def example_inputs(cfg: Any, block_size: int, dtype: Any) -> tuple[tuple[Any, ..
     """Small example batch (distinct sizes so no dimension is specialised) and the dynamic shapes."""
     import torch
 
-    t, b, max_blocks, num_blocks, n_logits = 9, 3, 4, 11, 2
+    t, b, max_blocks, num_blocks = 9, 3, 4, 11  # and 2 logits rows (logits_index below)
     args = (
         torch.zeros(t, dtype=torch.int64),
         torch.arange(t, dtype=torch.int64),

@@ -1,0 +1,180 @@
+"""`optimize build` through the real CLI: recipe errors, dry run, reproducibility, immutability, quality gate."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import DEMO_MODEL, DEMO_RECIPE, ROOT, make_random_checkpoint, write_recipe
+
+CLI = [sys.executable, "-m", "compiler.cli"]
+
+
+def run_cli(*args: str | Path, timeout: float = 600) -> tuple[subprocess.CompletedProcess[str], float]:
+    """Run `optimize ARGS` in a fresh interpreter; returns the result and its wall time."""
+    t = time.perf_counter()
+    res = subprocess.run([*CLI, *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return res, time.perf_counter() - t
+
+
+def line_of(text: str, needle: str) -> int:
+    """1-based line of the first line of `text` that contains `needle`."""
+    for i, line in enumerate(text.splitlines(), 1):
+        if needle in line:
+            return i
+    raise AssertionError(f"{needle!r} not in recipe text")
+
+
+def assert_no_artifact(output: Path) -> None:
+    """Nothing (no artifact, no name folder, no staging leftovers) under the output root."""
+    if output.exists():
+        left = sorted(p.relative_to(output).as_posix() for p in output.rglob("*"))
+        assert left == [], f"left behind under {output}: {left}"
+
+
+def unsupported_checkpoint(tmp_path: Path) -> Path:
+    ckpt = tmp_path / "gpt2-ckpt"
+    ckpt.mkdir()
+    cfg = json.loads((DEMO_MODEL / "config.json").read_text(encoding="utf-8"))
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (ckpt / "config.json").write_text(json.dumps(cfg, indent=2), encoding="utf-8")
+    shutil.copyfile(DEMO_MODEL / "tokenizer.json", ckpt / "tokenizer.json")
+    try:
+        (ckpt / "model.safetensors").symlink_to(DEMO_MODEL / "model.safetensors")
+    except OSError:  # pragma: no cover - filesystems without symlinks
+        shutil.copyfile(DEMO_MODEL / "model.safetensors", ckpt / "model.safetensors")
+    return ckpt
+
+
+# case id -> (write_recipe kwargs builder, field named in the error, needle locating its line, message words)
+def _case(tmp_path: Path, case: str) -> tuple[Path, str, int, list[str]]:
+    if case == "unknown-pass":
+        recipe = write_recipe(tmp_path, DEMO_MODEL, passes="  - name: capture\n  - name: quantize_int4\n"
+                                                           "  - name: package\n")
+        field, needle, words = "passes[1].name", "- name: quantize_int4", ["unknown pass", "quantize_int4"]
+    elif case == "wrong-type":
+        recipe = write_recipe(tmp_path, DEMO_MODEL, runtime='  kv_block_size: "sixteen"\n  num_kv_blocks: 256\n'
+                                                           "  max_num_seqs: 8\n  max_num_batched_tokens: 256\n"
+                                                           "  max_model_len: 512\n")
+        field, needle, words = "runtime.kv_block_size", "kv_block_size:", ["sixteen"]
+    elif case == "missing-checkpoint":
+        recipe = write_recipe(tmp_path, tmp_path / "no-such-checkpoint")
+        field, needle, words = "source.checkpoint", "checkpoint:", ["not found", "no-such-checkpoint"]
+    elif case == "unsupported-architecture":
+        recipe = write_recipe(tmp_path, unsupported_checkpoint(tmp_path))
+        field, needle, words = "source.checkpoint", "checkpoint:", ["GPT2LMHeadModel", "not supported"]
+    elif case == "unknown-key":
+        recipe = write_recipe(tmp_path, DEMO_MODEL, runtime="  kv_block_size: 16\n  num_kv_blocks: 256\n"
+                                                           "  kv_cache_dtype: fp8\n  max_num_seqs: 8\n"
+                                                           "  max_num_batched_tokens: 256\n  max_model_len: 512\n")
+        field, needle, words = "runtime.kv_cache_dtype", "kv_cache_dtype:", ["unknown key", "kv_cache_dtype"]
+    else:  # pragma: no cover
+        raise ValueError(case)
+    return recipe, field, line_of(recipe.read_text(encoding="utf-8"), needle), words
+
+
+CASES = ["unknown-pass", "wrong-type", "missing-checkpoint", "unsupported-architecture", "unknown-key"]
+
+
+@pytest.mark.parametrize("dry_run", [True, False], ids=["dry-run", "build"])
+@pytest.mark.parametrize("case", CASES)
+def test_malformed_recipe_is_refused_with_file_line_and_field(tmp_path: Path, case: str, dry_run: bool) -> None:
+    recipe, field, line, words = _case(tmp_path, case)
+    args = ["build", *(["--dry-run"] if dry_run else []), recipe]
+    res, wall = run_cli(*args)
+    assert res.returncode != 0, res.stdout + res.stderr
+    # "error: <file>:<line>: <field>: <message>"
+    assert f"{recipe}:{line}: {field}:" in res.stderr, res.stderr
+    for w in words:
+        assert w in res.stderr, (w, res.stderr)
+    assert "Traceback" not in res.stderr
+    assert_no_artifact(tmp_path / "artifacts")
+    if dry_run:
+        assert wall < 5.0, f"dry run took {wall:.1f} s"
+        assert "plan ok" not in res.stdout
+
+
+def test_dry_run_of_demo_prints_plan_and_estimates() -> None:
+    res, wall = run_cli("build", "--dry-run", DEMO_RECIPE)
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    lines = out.splitlines()
+    passes = [ln.split()[1] for ln in lines if ln.strip()[:2] in ("1.", "2.", "3.")]
+    assert passes == ["capture", "lower_onnx", "package"], out
+    for label in ("artifact size", "runtime KV cache", "runtime total"):
+        row = next((ln for ln in lines if ln.strip().startswith(label)), None)
+        assert row is not None, (label, out)
+        assert row.rstrip().endswith(("B", "KiB", "MiB", "GiB")), row
+    assert "LlamaForCausalLM" in out
+    assert "nothing built" in out
+    assert wall < 5.0, f"dry run took {wall:.1f} s"
+
+
+@pytest.mark.slow
+def test_build_is_reproducible(demo_artifact: Path, tmp_path: Path) -> None:
+    from compiler.build import build
+
+    again = build(DEMO_RECIPE, progress=False, output=tmp_path / "again")
+    assert again != demo_artifact
+    first_manifest = (demo_artifact / "manifest.json").read_bytes()
+    assert (again / "manifest.json").read_bytes() == first_manifest
+    manifest = json.loads(first_manifest)
+    listed = sorted(e["path"] for e in manifest["files"])
+    assert "model.onnx" in listed and "model.onnx.data" in listed
+
+    def payload(root: Path) -> list[str]:
+        return sorted(p.relative_to(root).as_posix() for p in root.rglob("*")
+                      if p.is_file() and p.name not in ("manifest.json", "build.json"))
+
+    assert payload(demo_artifact) == listed
+    assert payload(again) == listed
+    for rel in listed:
+        assert (again / rel).read_bytes() == (demo_artifact / rel).read_bytes(), rel
+
+
+def test_existing_version_is_refused_and_left_untouched(demo_artifact: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    existing = out / "pycode-llama-6m" / "1.0.0"
+    shutil.copytree(demo_artifact, existing)
+    before = {p.relative_to(existing).as_posix(): p.read_bytes() for p in existing.rglob("*") if p.is_file()}
+
+    res, wall = run_cli("build", "--no-progress", "-o", out, DEMO_RECIPE, timeout=120)
+    assert res.returncode != 0, res.stdout + res.stderr
+    assert "versions are immutable" in res.stderr, res.stderr
+    assert str(existing) in res.stderr
+    assert "built " not in res.stdout
+    assert wall < 20, f"refusal took {wall:.1f} s: something ran before the version check"
+    # byte-identical, nothing added, no staging folder next to it
+    after = {p.relative_to(existing).as_posix(): p.read_bytes() for p in existing.rglob("*") if p.is_file()}
+    assert (existing / "manifest.json").read_bytes() == before["manifest.json"]
+    assert after == before
+    assert sorted(p.name for p in existing.parent.iterdir()) == ["1.0.0"]
+
+
+@pytest.mark.slow
+def test_quality_gate_failure_writes_no_artifact(tmp_path: Path) -> None:
+    ckpt = make_random_checkpoint(tmp_path / "ckpt", "LlamaForCausalLM")
+    eval_txt = DEMO_MODEL / "eval.txt"
+    recipe = write_recipe(tmp_path, ckpt, extra=f"quality:\n  eval_data: {eval_txt}\n  max_eval_tokens: 512\n"
+                                                "  max_perplexity: 1.5\n")
+    res, _ = run_cli("build", "--no-progress", recipe)
+    assert res.returncode != 0, res.stdout + res.stderr
+    err = res.stderr
+    assert "quality gate failed" in err, err
+    row = next((ln for ln in err.splitlines() if ln.strip().startswith("perplexity")), None)
+    assert row is not None, err
+    assert "measured" in row and "allowed" in row and "FAILED" in row, row
+    assert "1.5000" in row, row  # the allowed bound
+    measured = float(row.split("measured")[1].split()[0])
+    assert measured > 1.5
+    assert "Traceback" not in err
+    assert "built " not in res.stdout
+    assert not (tmp_path / "artifacts" / "test-model").exists()
+    assert_no_artifact(tmp_path / "artifacts")

@@ -1,0 +1,236 @@
+"""Built artifacts against Hugging Face transformers: logits, greedy generation, continuous batching.
+
+For the demo model and a small random model of each supported architecture (GQA): the runtime's
+logits match transformers within 1e-3 (fp32), and greedy generation of 32 tokens is identical to
+`generate`, for one prompt and for 8 prompts of different lengths that arrive at different steps,
+with block size 16, prompts crossing block boundaries and a prefill chunk smaller than the
+longest prompt.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from conftest import DEMO_MODEL, make_random_checkpoint, write_recipe
+
+from compiler.build import build
+from runtime.engine import LLMEngine
+from runtime.forward_batch import ForwardBatch
+from runtime.sampling import SamplingParams
+
+ARCHS = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
+# (architecture, config overrides): the four families, plus Mistral with a sliding window shorter
+# than the prompts so the window mask is exercised across chunks and blocks.
+VARIANTS = [(a, {}) for a in ARCHS] + [("MistralForCausalLM", {"sliding_window": 24})]
+LOGITS_TOL = 1e-3
+
+
+@pytest.fixture(scope="module", params=VARIANTS, ids=["llama", "mistral", "qwen2", "qwen3", "mistral-sliding"])
+def random_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(checkpoint folder, built artifact) for one architecture."""
+    arch, overrides = request.param
+    folder = tmp_path_factory.mktemp(arch)
+    ckpt = make_random_checkpoint(folder / "ckpt", arch, seed=VARIANTS.index(request.param), **overrides)
+    recipe = write_recipe(folder, ckpt, name=arch.lower())
+    return ckpt, build(recipe, progress=False)
+
+
+def hf_model(path: Path) -> transformers.PreTrainedModel:
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_logits(model: transformers.PreTrainedModel, ids: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].numpy()
+
+
+def hf_greedy(model: transformers.PreTrainedModel, ids: list[int], n: int) -> list[int]:
+    cfg = transformers.GenerationConfig(max_new_tokens=n, min_new_tokens=0, do_sample=False,
+                                        eos_token_id=None, pad_token_id=2)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), generation_config=cfg)
+    return out[0, len(ids):].tolist()
+
+
+def chunked_logits(engine: LLMEngine, ids: list[int], cuts: list[int]) -> np.ndarray:
+    """Run `ids` through the backend in chunks ending at `cuts`, logits for every token."""
+    backend = engine.backend
+    bs = backend.block_size
+    blocks = np.array([7, 3, 11, 5, 9, 1, 13, 2, 4, 6], dtype=np.int32)  # deliberately out of order
+    assert len(ids) <= len(blocks) * bs
+    out = []
+    start = 0
+    for end in cuts:
+        pos = np.arange(start, end, dtype=np.int64)
+        nblocks = -(-end // bs)
+        fb = ForwardBatch(
+            input_ids=np.asarray(ids[start:end], np.int64), positions=pos,
+            cu_seqlens=np.array([0, end - start], np.int32), past_lens=np.array([start], np.int32),
+            block_table=blocks[None, :nblocks].copy(),
+            slot_mapping=blocks.astype(np.int64)[pos // bs] * bs + pos % bs,
+            logits_index=np.arange(end - start, dtype=np.int64))
+        fb.validate(backend.num_blocks, bs)
+        out.append(backend.forward(fb))
+        start = end
+    return np.concatenate(out)
+
+
+def prompts_of(lengths: list[int], seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 4096, size=n).tolist() for n in lengths]
+
+
+def staggered_greedy(engine: LLMEngine, prompts: list[list[int]], arrivals: list[int], n: int) -> list[list[int]]:
+    """Submit prompt i at engine step arrivals[i]; run all to completion; tokens per prompt."""
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    done: dict[str, list[int]] = {}
+    step = 0
+    max_running = 0
+    while len(done) < len(prompts):
+        for i, at in enumerate(arrivals):
+            if at == step:
+                engine.add_request(f"r{i}", prompts[i], params)
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+        max_running = max(max_running, engine.scheduler.num_running)
+        step += 1
+        assert step < 10_000
+    assert max_running > 1, "requests should have shared steps (continuous batching)"
+    assert engine.scheduler.num_free_blocks == engine.scheduler_config.num_blocks
+    return [done[f"r{i}"] for i in range(len(prompts))]
+
+
+# -- random models of each architecture ------------------------------------------------------------
+
+
+def test_random_model_logits_chunked(random_model: tuple[Path, Path]) -> None:
+    ckpt, artifact = random_model
+    engine = LLMEngine(artifact)
+    ids = prompts_of([70], seed=1)[0]
+    ref = hf_logits(hf_model(ckpt), ids)
+    got = chunked_logits(engine, ids, [13, 40, 41, 70])  # chunks cross block boundaries (16)
+    assert got.shape == ref.shape
+    assert np.abs(got - ref).max() < LOGITS_TOL
+
+
+def test_random_model_greedy_single(random_model: tuple[Path, Path]) -> None:
+    ckpt, artifact = random_model
+    prompt = prompts_of([37], seed=2)[0]
+    want = hf_greedy(hf_model(ckpt), prompt, 32)
+    engine = LLMEngine(artifact)
+    engine.add_request("a", prompt, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
+    got = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                got = out.token_ids
+    assert got == want
+
+
+def test_random_model_greedy_continuous_batching(random_model: tuple[Path, Path]) -> None:
+    ckpt, artifact = random_model
+    lengths = [5, 17, 33, 64, 100, 15, 48, 81]
+    prompts = prompts_of(lengths, seed=3)
+    model = hf_model(ckpt)
+    want = [hf_greedy(model, p, 32) for p in prompts]
+    # prefill chunk (token budget 48) smaller than the longest prompt (100)
+    engine = LLMEngine(artifact, max_num_batched_tokens=48, max_num_seqs=8)
+    got = staggered_greedy(engine, prompts, arrivals=[0, 0, 1, 3, 4, 9, 15, 22], n=32)
+    assert got == want
+
+
+# -- the trained demo model ------------------------------------------------------------------------
+
+
+DEMO_PROMPTS = [
+    "def fibonacci(n):\n    if",
+    "import os\nimport sys\n\n\nclass Config:\n    def __init__(self, path):\n        self.path = path\n",
+    '"""Utilities for reading files."""\n',
+    "for i in range(10):\n",
+    "    def __repr__(self):\n        return",
+    "try:\n    import _thread\nexcept ImportError:\n    _thread = None\n\n__all__ = [",
+    "x = ",
+    "class Error(Exception):\n    \"\"\"Base class for errors in this module.\"\"\"\n\n    def __init__(self, msg):\n"
+    "        self.msg = msg\n        Exception.__init__(self, msg)\n\n    def __str__(self):\n        return self.msg\n",
+]
+
+
+def test_demo_logits(demo_artifact: Path) -> None:
+    engine = LLMEngine(demo_artifact)
+    ids = engine.tokenizer.encode(DEMO_PROMPTS[7])
+    assert 40 < len(ids) <= 160
+    ref = hf_logits(hf_model(DEMO_MODEL), ids)
+    got = chunked_logits(engine, ids, [9, 16, 17, 33, len(ids)])
+    assert np.abs(got - ref).max() < LOGITS_TOL
+
+
+def test_demo_greedy_single_and_batched(demo_artifact: Path) -> None:
+    model = hf_model(DEMO_MODEL)
+    engine = LLMEngine(demo_artifact, max_num_batched_tokens=32, max_num_seqs=8)
+    prompts = [engine.tokenizer.encode(p) for p in DEMO_PROMPTS]
+    assert max(len(p) for p in prompts) > 32  # longer than one prefill chunk
+    want = [hf_greedy(model, p, 32) for p in prompts]
+    single = staggered_greedy_single(engine, prompts[0])
+    assert single == want[0]
+    got = staggered_greedy(engine, prompts, arrivals=[0, 1, 1, 2, 5, 8, 13, 21], n=32)
+    assert got == want
+
+
+def staggered_greedy_single(engine: LLMEngine, prompt: list[int]) -> list[int]:
+    engine.add_request("single", prompt, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
+    while True:
+        for out in engine.step():
+            if out.finished:
+                return out.token_ids
+
+
+def test_demo_generation_matches_model_card(demo_artifact: Path) -> None:
+    """The demo model's README records its greedy continuation of "def fibonacci(n):\\n"."""
+    import json
+
+    card = json.loads((DEMO_MODEL / "verify.json").read_text())
+    engine = LLMEngine(demo_artifact)
+    prompt = engine.tokenizer.encode(card["prompt"])
+    assert prompt == card["prompt_ids"]
+    want = card["generated_ids"]  # the 64 new tokens
+    engine.add_request("card", prompt, SamplingParams(max_tokens=len(want), temperature=0.0, ignore_eos=True))
+    got: list[int] = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                got = out.token_ids
+    assert got == want
+    assert engine.tokenizer.decode(got) == card["completion"]
+
+
+@pytest.mark.slow
+def test_demo_eval_perplexity_matches_transformers(demo_artifact: Path) -> None:
+    """`optimize eval` on eval.txt equals transformers' perplexity to 4 significant digits."""
+    import json
+    import math
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "compiler.cli", "eval", str(demo_artifact), "--data",
+         str(DEMO_MODEL / "eval.txt"), "--json"], capture_output=True, text=True, check=True)
+    ours = json.loads(proc.stdout)
+    tok = transformers.AutoTokenizer.from_pretrained(DEMO_MODEL)
+    ids = tok((DEMO_MODEL / "eval.txt").read_text(encoding="utf-8"), add_special_tokens=False).input_ids
+    n = len(ids) // 256
+    chunks = torch.tensor(ids[: n * 256]).view(n, 256)
+    model = hf_model(DEMO_MODEL)
+    nll, count = 0.0, 0
+    with torch.no_grad():
+        for batch in chunks.split(16):
+            logp = torch.log_softmax(model(batch).logits.double(), -1)
+            nll -= float(logp[:, :-1].gather(-1, batch[:, 1:, None]).sum())
+            count += batch.shape[0] * 255
+    ref = math.exp(nll / count)
+    assert ours["predictions"] == count
+    assert f"{ours['perplexity']:.4g}" == f"{ref:.4g}", (ours["perplexity"], ref)
