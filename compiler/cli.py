@@ -49,15 +49,25 @@ def main(verbose: int) -> None:
 @click.option("--no-progress", is_flag=True, help="No progress display.")
 @click.option("-o", "--output", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Output folder (overrides the recipe's `output`).")
-def build(recipe: Path, dry_run: bool, no_progress: bool, output: Path | None) -> None:
+@click.option("--skip-existing", is_flag=True,
+              help="If this name/version already exists and verifies intact, report it and exit 0 "
+                   "(versions are immutable: it is never rebuilt or overwritten).")
+def build(recipe: Path, dry_run: bool, no_progress: bool, output: Path | None, skip_existing: bool) -> None:
     """Build RECIPE (YAML) into artifacts/<name>/<version>/."""
     from compiler.build import BuildError, RecipeError, plan
-    from runtime.artifact import ArtifactError
+    from runtime.artifact import ArtifactError, verify_artifact
 
     try:
+        p = plan(recipe)
         if dry_run:
-            p = plan(recipe)
             _print_plan(p)
+            return
+        existing = (output.resolve() if output else p.recipe.output) / p.recipe.name / p.recipe.version
+        if skip_existing and (existing / "manifest.json").is_file():
+            problems = verify_artifact(existing)
+            if problems:
+                _fail(f"{existing} exists but does not verify:\n  " + "\n  ".join(problems))
+            click.echo(f"exists and verified: {existing} (not rebuilt)")
             return
         from compiler.build import QualityGateError
         from compiler.build import build as run_build
