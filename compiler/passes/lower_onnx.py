@@ -7,7 +7,10 @@ node text) so that the same recipe and checkpoint give byte-identical model file
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
+import warnings
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -73,20 +76,26 @@ class LowerOnnxPass(Pass):
             raise BuildError(f"lower_onnx: opset {self.config.opset} < 21 is not supported")
         exported = ctx.require("exported", self.name)
         inputs, outputs = graph_io_names(ctx.checkpoint.config.num_layers)
+        chatter = io.StringIO()  # the exporter prints its progress; keep it for the debug log
         try:
-            program = torch.onnx.export(
-                exported,
-                (),
-                input_names=inputs,
-                output_names=outputs,
-                opset_version=self.config.opset,
-                dynamo=True,
-                optimize=self.config.optimize,
-                verify=False,
-                report=False,
-            )
+            with contextlib.redirect_stdout(chatter), warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+                program = torch.onnx.export(
+                    exported,
+                    (),
+                    input_names=inputs,
+                    output_names=outputs,
+                    opset_version=self.config.opset,
+                    dynamo=True,
+                    optimize=self.config.optimize,
+                    verify=False,
+                    report=False,
+                )
         except Exception as e:
             raise BuildError(f"ONNX lowering failed: {str(e).splitlines()[0]}") from e
+        finally:
+            log.debug("torch.onnx.export output:\n%s", chatter.getvalue())
         model = program.model_proto
         strip_metadata(model)
         model.producer_name = "optimize"
