@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from runtime.artifact import Artifact
-from runtime.core import CORE_IMPL, Scheduler, SchedulerConfig
+from runtime.core import CORE_IMPL, RNG, Scheduler, SchedulerConfig
 from runtime.sampling import Sampler, SamplingParams, make_generator
 
 log = logging.getLogger(__name__)
@@ -57,14 +57,29 @@ class RequestOutput:
     new_token_ids: list[int]
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    # Only for requests added with `logprobs=N`: one entry per token of `new_token_ids`.
+    new_logprobs: list[TokenLogprob] | None = None
+    metrics: RequestMetrics | None = None  # the request's timestamps (shared, updated in place)
+
+
+@dataclass
+class TokenLogprob:
+    """Log-probability of a generated token under the model (log_softmax of the raw logits row)."""
+
+    token_id: int
+    logprob: float  # natural log; temperature, top-k and top-p are not applied
+    top: list[tuple[int, float]]  # the N most likely (token id, logprob), best first
 
 
 @dataclass
 class RequestMetrics:
-    arrival: float
-    first_scheduled: float | None = None
-    first_token: float | None = None
+    """time.perf_counter() timestamps (seconds) of one request's phases."""
+
+    arrival: float  # added (or the caller's receive time, `add_request(arrival=...)`)
+    first_scheduled: float | None = None  # the step running its first chunk started
+    first_token: float | None = None  # its first token was sampled
     finished: float | None = None
+    num_cached_tokens: int = 0  # prompt tokens found in the KV cache at its first step (prefix cache)
 
 
 @dataclass
@@ -73,13 +88,15 @@ class _Request:
     seq_id: int
     prompt_ids: list[int]
     params: SamplingParams
-    generator: np.random.Generator
+    generator: RNG
     metrics: RequestMetrics
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
     emitted: int = 0  # characters of `text` already handed out
     emitted_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
+    num_logprobs: int | None = None  # None: no logprobs; N: chosen token + top N
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 class Tokenizer:
@@ -125,6 +142,7 @@ class LLMEngine:
         max_num_batched_tokens: int | None = None,
         max_model_len: int | None = None,
         threads: int | None = None,
+        enable_prefix_caching: bool = True,
     ) -> None:
         self.artifact = artifact if isinstance(artifact, Artifact) else Artifact.open(artifact, verify=verify)
         cfg = self.artifact.runtime_config
@@ -136,6 +154,8 @@ class LLMEngine:
             max_num_seqs=max_num_seqs or sched["max_num_seqs"],
             max_num_batched_tokens=max_num_batched_tokens or sched["max_num_batched_tokens"],
             max_model_len=min(max_model_len or sched["max_model_len"], sched["max_model_len"]),
+            enable_prefix_caching=enable_prefix_caching,
+            enable_copy_on_write=True,  # step() applies batch.block_copies before the forward
         )
         self.scheduler = Scheduler(self.scheduler_config)
         self.tokenizer = Tokenizer(self.artifact.tokenizer_dir)
@@ -151,8 +171,13 @@ class LLMEngine:
 
     # ---- requests -----------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None) -> None:
+    def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                    *, arrival: float | None = None, logprobs: int | None = None) -> None:
+        """Queue a request. `arrival`: its perf_counter() receive time (default now); `logprobs`: N
+        to get each generated token's logprob plus the top N (RequestOutput.new_logprobs)."""
         params = params or SamplingParams()
+        if logprobs is not None and (not isinstance(logprobs, int) or isinstance(logprobs, bool) or logprobs < 0):
+            raise ValueError(f"logprobs must be None or an integer >= 0, got {logprobs!r}")
         params.validate()
         if params.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {params.max_tokens}")
@@ -171,7 +196,8 @@ class LLMEngine:
                              f"{limit - 1} prompt tokens")
         seq_id = next(self._seq_ids)
         req = _Request(request_id, seq_id, ids, params, make_generator(params.seed),
-                       RequestMetrics(arrival=time.perf_counter()))
+                       RequestMetrics(arrival=time.perf_counter() if arrival is None else arrival),
+                       num_logprobs=logprobs)
         self.scheduler.add(seq_id, ids)
         self._requests[request_id] = req
         self._by_seq[seq_id] = req
@@ -200,6 +226,9 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch is None:
             return []
+        started = time.perf_counter()
+        if batch.block_copies:  # copy-on-write of shared prefix blocks this step writes into
+            self.backend.copy_blocks(batch.block_copies)
         fb = self.scheduler.pack(batch)
         logits = self.backend.forward(fb)
         now = time.perf_counter()
@@ -208,20 +237,31 @@ class LLMEngine:
         for e in batch.entries:
             r = self._by_seq[e.seq_id]
             if r.metrics.first_scheduled is None:
-                r.metrics.first_scheduled = now
+                r.metrics.first_scheduled = started
+                r.metrics.num_cached_tokens = e.start  # computed before its first step: prefix-cache hits
             decode = e.num_tokens == 1 and e.start >= len(r.prompt_ids)
             self.stats["decode_tokens" if decode else "prefill_tokens"] += e.num_tokens
-        tokens = self.sampler.sample(logits, [r.params for r in reqs], [r.generator for r in reqs]) if reqs else []
+        tokens = self._sample(logits, reqs) if reqs else []
         self.scheduler.update(batch, {e.seq_id: int(t) for e, t in zip(sampled_entries, tokens, strict=True)})
         self.stats["steps"] += 1
         outputs = []
-        for r, tok in zip(reqs, tokens, strict=True):
-            out = self._append(r, int(tok), now)
+        for i, (r, tok) in enumerate(zip(reqs, tokens, strict=True)):
+            lp = None if r.num_logprobs is None else _token_logprob(logits[i], int(tok), r.num_logprobs)
+            out = self._append(r, int(tok), now, lp)
             if out is not None:
                 outputs.append(out)
         return outputs
 
-    def _append(self, r: _Request, tok: int, now: float) -> RequestOutput | None:
+    def _sample(self, logits: np.ndarray, reqs: list[_Request]) -> Sequence[int]:
+        """Next token of each request; token histories are passed only when a penalty needs them."""
+        params = [r.params for r in reqs]
+        gens = [r.generator for r in reqs]
+        if any(p.has_penalties for p in params):
+            return self.sampler.sample(logits, params, gens, prompt_ids=[r.prompt_ids for r in reqs],
+                                       output_ids=[r.output_ids for r in reqs])
+        return self.sampler.sample(logits, params, gens)
+
+    def _append(self, r: _Request, tok: int, now: float, lp: TokenLogprob | None = None) -> RequestOutput | None:
         r.status = RequestStatus.RUNNING
         if r.metrics.first_token is None:
             r.metrics.first_token = now
@@ -231,6 +271,8 @@ class LLMEngine:
             r.status = RequestStatus.FINISHED_STOPPED
         else:
             r.output_ids.append(tok)
+            if lp is not None:
+                r.output_logprobs.append(lp)
             r.text = self.tokenizer.decode(r.output_ids)
             if p.stop:
                 hit = _find_stop(r.text, p.stop, r.emitted)
@@ -266,6 +308,7 @@ class LLMEngine:
         new_ids = r.output_ids[r.emitted_tokens:]
         if not new_text and not new_ids and not finished:
             return None
+        new_logprobs = r.output_logprobs[r.emitted_tokens:] if r.num_logprobs is not None else None
         r.emitted = visible
         r.emitted_tokens = len(r.output_ids)
         return RequestOutput(
@@ -277,7 +320,23 @@ class LLMEngine:
             new_token_ids=new_ids,
             finished=finished,
             finish_reason=FINISH_REASON.get(r.status),
+            new_logprobs=new_logprobs,
+            metrics=r.metrics,
         )
+
+
+def _token_logprob(row: np.ndarray, token: int, n: int) -> TokenLogprob:
+    """log_softmax of one logits row (float64): the chosen token's logprob and the top `n`."""
+    x = np.asarray(row, dtype=np.float64)
+    top = x.max()
+    logz = top + np.log(np.exp(x - top).sum())
+    best: list[tuple[int, float]] = []
+    if n > 0:
+        k = min(n, x.shape[0])
+        idx = np.argpartition(-x, k - 1)[:k]
+        idx = idx[np.argsort(-x[idx], kind="stable")]
+        best = [(int(i), float(x[i] - logz)) for i in idx]
+    return TokenLogprob(token, float(x[token] - logz), best)
 
 
 def _find_stop(text: str, stops: list[str], emitted: int) -> int | None:

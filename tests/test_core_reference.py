@@ -1,9 +1,8 @@
 """The pure-Python engine core: block manager, scheduler step and ForwardBatch packing.
 
-A fake paged "model" drives the scheduler: it writes each step's input ids into a token-id KV
-pool through `slot_mapping` and, for every logits row, reads the sequence's whole history back
-through `block_table`, so wrong block tables or slots change the generated tokens. The next
-token is a hash of that history (no neural network is mocked; this only exercises the core).
+The fake paged model and the helpers are in test_core_fixtures.py. These tests pin the twin's
+decisions; test_core_c.py drives the C core beside it on random streams, and
+test_prefix_cache.py pins prefix caching on both.
 """
 
 from __future__ import annotations
@@ -12,79 +11,17 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_core_fixtures import (
+    SCHEDULERS,
+    PagedFakeModel,
+    check_pool,
+    entries,
+    reference_generation,
+    step,
+    tiny,
+)
 
 from runtime.core.reference import BatchEntry, BlockManager, ScheduledBatch, Scheduler, SchedulerConfig
-from runtime.forward_batch import ForwardBatch
-
-
-def next_token(history: list[int]) -> int:
-    h = 0
-    for t in history:
-        h = (h * 31 + int(t) + 7) % 1_000_003
-    return h % 100
-
-
-def reference_generation(prompt: list[int], max_tokens: int) -> list[int]:
-    tokens = list(prompt)
-    for _ in range(max_tokens):
-        tokens.append(next_token(tokens))
-    return tokens
-
-
-class PagedFakeModel:
-    """Token ids as the KV cache: scatter by slot_mapping, gather the history by block_table."""
-
-    def __init__(self, cfg: SchedulerConfig) -> None:
-        self.bs = cfg.block_size
-        self.kv = np.full(cfg.num_blocks * cfg.block_size, -1, np.int64)
-
-    def __call__(self, fb: ForwardBatch) -> list[int]:
-        self.kv[fb.slot_mapping] = fb.input_ids
-        out = []
-        for idx in fb.logits_index:
-            b = int(np.searchsorted(fb.cu_seqlens, idx, side="right")) - 1
-            n = int(fb.past_lens[b]) + int(fb.cu_seqlens[b + 1] - fb.cu_seqlens[b])
-            pos = np.arange(n)
-            history = self.kv[fb.block_table[b, pos // self.bs].astype(np.int64) * self.bs + pos % self.bs]
-            assert (history >= 0).all(), "history read from a slot never written"
-            out.append(next_token(history.tolist()))
-        return out
-
-
-def step(s: Scheduler, model: PagedFakeModel | None = None,
-         tokens: dict[int, int] | None = None) -> tuple[ScheduledBatch, ForwardBatch]:
-    """schedule + pack + validate + (fake) model + update."""
-    batch = s.schedule()
-    assert batch is not None
-    fb = s.pack(batch)
-    fb.validate(s.config.num_blocks, s.config.block_size)
-    logit_seqs = [e.seq_id for e in batch.entries if e.needs_logits]
-    if model is not None:
-        tokens = dict(zip(logit_seqs, model(fb), strict=True))
-    elif tokens is None:
-        tokens = {sid: 50 + sid for sid in logit_seqs}
-    s.update(batch, tokens)
-    return batch, fb
-
-
-def entries(batch: ScheduledBatch) -> list[tuple[int, int, int, bool]]:
-    return [(e.seq_id, e.start, e.num_tokens, e.needs_logits) for e in batch.entries]
-
-
-def tiny(**kw) -> SchedulerConfig:
-    base = dict(block_size=4, num_blocks=11, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=44)
-    base.update(kw)
-    return SchedulerConfig(**base)
-
-
-def check_ownership(s: Scheduler) -> None:
-    owned = [b for sid in s.seq_ids() for b in s.seq_block_table(sid)]
-    assert len(owned) == len(set(owned)), "a block is owned by two sequences"
-    assert len(owned) + s.num_free_blocks == s.config.num_blocks
-    bm = s.block_manager
-    assert all(bm.blocks[b].ref_count == 1 for b in owned)
-    assert set(owned).isdisjoint(bm.free_ids)
-
 
 # ---- block manager ---------------------------------------------------------------------------
 
@@ -108,8 +45,9 @@ def test_block_manager_basics() -> None:
 # ---- exact ids -------------------------------------------------------------------------------
 
 
-def test_block_tables_and_slot_mapping() -> None:
-    s = Scheduler(tiny())
+@pytest.mark.parametrize("Sched", SCHEDULERS)
+def test_block_tables_and_slot_mapping(Sched) -> None:
+    s = Sched(tiny())
     s.add(0, [1, 2, 3, 4, 5, 6])
     s.add(1, [7, 8, 9])
     batch, fb = step(s, tokens={0: 50, 1: 60})
@@ -149,8 +87,9 @@ def test_block_tables_and_slot_mapping() -> None:
     np.testing.assert_array_equal(fb.slot_mapping, [13] + list(range(16, 25)))
 
 
-def test_chunked_prefill_under_budget() -> None:
-    s = Scheduler(tiny(max_num_batched_tokens=5))
+@pytest.mark.parametrize("Sched", SCHEDULERS)
+def test_chunked_prefill_under_budget(Sched) -> None:
+    s = Sched(tiny(max_num_batched_tokens=5))
     s.add(0, list(range(12)))
     batch, fb = step(s, tokens={})
     assert entries(batch) == [(0, 0, 5, False)]
@@ -170,8 +109,9 @@ def test_chunked_prefill_under_budget() -> None:
     assert s.seq_block_table(0) == [0, 1, 2, 3]
 
 
-def test_decode_first_then_prefill_chunk_shares_budget() -> None:
-    s = Scheduler(tiny(max_num_batched_tokens=5))
+@pytest.mark.parametrize("Sched", SCHEDULERS)
+def test_decode_first_then_prefill_chunk_shares_budget(Sched) -> None:
+    s = Sched(tiny(max_num_batched_tokens=5))
     s.add(0, [1, 2])
     step(s)
     s.add(1, list(range(8)))  # joins a running batch
@@ -183,8 +123,9 @@ def test_decode_first_then_prefill_chunk_shares_budget() -> None:
     assert entries(batch) == [(0, 4, 1, True), (1, 8, 1, True)]
 
 
-def test_max_num_seqs_and_fcfs() -> None:
-    s = Scheduler(tiny(max_num_seqs=2))
+@pytest.mark.parametrize("Sched", SCHEDULERS)
+def test_max_num_seqs_and_fcfs(Sched) -> None:
+    s = Sched(tiny(max_num_seqs=2))
     for i in range(3):
         s.add(i, [i + 1, i + 2])
     batch, _ = step(s)
@@ -197,8 +138,9 @@ def test_max_num_seqs_and_fcfs() -> None:
     assert entries(batch) == [(1, 3, 1, True), (2, 0, 2, True)]
 
 
-def test_head_of_queue_waiting_for_blocks_is_not_overtaken() -> None:
-    s = Scheduler(tiny())
+@pytest.mark.parametrize("Sched", SCHEDULERS)
+def test_head_of_queue_waiting_for_blocks_is_not_overtaken(Sched) -> None:
+    s = Sched(tiny())
     s.add(0, list(range(36)))  # 9 of 11 blocks
     s.add(1, list(range(9)))  # needs 3 blocks: only 2 free
     s.add(2, [1, 2])  # would fit, but arrived later
@@ -210,8 +152,9 @@ def test_head_of_queue_waiting_for_blocks_is_not_overtaken() -> None:
     assert [e.seq_id for e in batch.entries] == [1, 2]
 
 
-def test_abort_frees_blocks_everywhere() -> None:
-    s = Scheduler(tiny())
+@pytest.mark.parametrize("Sched", SCHEDULERS)
+def test_abort_frees_blocks_everywhere(Sched) -> None:
+    s = Sched(tiny())
     s.add(0, list(range(10)))
     s.add(1, list(range(5)))
     step(s)
@@ -230,9 +173,10 @@ def test_abort_frees_blocks_everywhere() -> None:
     assert s.schedule() is None
 
 
-def test_preemption_recomputes_and_everything_completes() -> None:
+@pytest.mark.parametrize("Sched", SCHEDULERS)
+def test_preemption_recomputes_and_everything_completes(Sched) -> None:
     cfg = SchedulerConfig(block_size=4, num_blocks=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=16)
-    s, model = Scheduler(cfg), PagedFakeModel(cfg)
+    s, model = Sched(cfg), PagedFakeModel(cfg)
     prompts = {0: [3, 1, 4, 1, 5, 9, 2], 1: [2, 7, 1, 8, 2, 8, 1]}
     for sid, p in prompts.items():
         s.add(sid, p)
@@ -241,7 +185,7 @@ def test_preemption_recomputes_and_everything_completes() -> None:
     while s.has_unfinished():
         batch, _ = step(s, model)
         batches.append(entries(batch))
-        check_ownership(s)
+        check_pool(s)
         for sid in list(prompts):
             if sid not in done and sid in s.seq_ids() and len(s.seq_tokens(sid)) == len(prompts[sid]) + 8:
                 done[sid] = s.seq_tokens(sid)
@@ -256,8 +200,9 @@ def test_preemption_recomputes_and_everything_completes() -> None:
     assert s.num_free_blocks == 4
 
 
-def test_sequence_outgrowing_the_pool_alone_raises() -> None:
-    s = Scheduler(SchedulerConfig(block_size=2, num_blocks=2, max_model_len=10))
+@pytest.mark.parametrize("Sched", SCHEDULERS)
+def test_sequence_outgrowing_the_pool_alone_raises(Sched) -> None:
+    s = Sched(SchedulerConfig(block_size=2, num_blocks=2, max_model_len=10))
     s.add(0, [1, 2, 3])
     step(s)
     step(s)
@@ -265,8 +210,9 @@ def test_sequence_outgrowing_the_pool_alone_raises() -> None:
         s.schedule()
 
 
-def test_add_rejects() -> None:
-    s = Scheduler(tiny(max_model_len=100))
+@pytest.mark.parametrize("Sched", SCHEDULERS)
+def test_add_rejects(Sched) -> None:
+    s = Sched(tiny(max_model_len=100))
     s.add(0, [1])
     with pytest.raises(ValueError, match="already"):
         s.add(0, [1])
@@ -277,18 +223,19 @@ def test_add_rejects() -> None:
     with pytest.raises(ValueError, match="needs 12 KV blocks of 4 tokens; the pool has only 11"):
         s.add(1, [1] * 45)
     with pytest.raises(ValueError, match="block_size"):
-        Scheduler(SchedulerConfig(block_size=0))
+        Sched(SchedulerConfig(block_size=0))
     with pytest.raises(ValueError, match="unknown sequence"):
         s.finish(7)
 
 
-def test_update_rejects() -> None:
-    s = Scheduler(tiny(max_model_len=3))
+@pytest.mark.parametrize("Sched", SCHEDULERS)
+def test_update_rejects(Sched) -> None:
+    s = Sched(tiny(max_model_len=3))
     s.add(0, [1, 2])
     batch = s.schedule()
     with pytest.raises(ValueError, match="no next token"):
         s.update(batch, {})
-    s2 = Scheduler(tiny(max_model_len=3))
+    s2 = Sched(tiny(max_model_len=3))
     s2.add(0, [1, 2])
     step(s2)  # 3 tokens now
     batch = s2.schedule()
@@ -320,12 +267,15 @@ def workload(draw: st.DrawFn):
 
 
 @settings(max_examples=120, deadline=None)
-@given(workload())
-def test_random_streams_complete(case) -> None:
+@given(workload(), st.booleans())
+def test_random_streams_complete(case, caching: bool) -> None:
     cfg, reqs, aborts, seed = case
+    cfg.enable_prefix_caching = caching
     rng = np.random.default_rng(seed)
     s, model = Scheduler(cfg), PagedFakeModel(cfg)
-    prompts = {i: rng.integers(0, 100, size=p).tolist() for i, (_, p, _) in enumerate(reqs)}
+    stem = rng.integers(0, 100, size=14).tolist()  # prompts share prefixes of it half of the time
+    prompts = {i: (stem[: int(rng.integers(0, p + 1))] if rng.random() < 0.5 else []) for i, (_, p, _) in enumerate(reqs)}
+    prompts = {i: (pre + rng.integers(0, 100, size=reqs[i][1] - len(pre)).tolist()) for i, pre in prompts.items()}
     results: dict[int, list[int]] = {}
     abort_at = {i: int(rng.integers(0, 20)) for i in aborts}
     t = 0
@@ -344,12 +294,12 @@ def test_random_streams_complete(case) -> None:
         batch, fb = step(s, model)
         assert batch.num_tokens <= cfg.max_num_batched_tokens
         assert len({e.seq_id for e in batch.entries}) == len(batch.entries)
-        check_ownership(s)
+        check_pool(s)
         for i in s.seq_ids():
             if len(s.seq_tokens(i)) == len(prompts[i]) + reqs[i][2]:
                 results[i] = s.seq_tokens(i)
                 s.finish(i)
-                check_ownership(s)
+                check_pool(s)
     assert s.num_free_blocks == cfg.num_blocks
     for i, (_, _, max_tokens) in enumerate(reqs):
         if i in results:

@@ -18,7 +18,10 @@ from runtime.forward_batch import ForwardBatch
 
 log = logging.getLogger(__name__)
 
-_NP_DTYPES = {"float32": np.float32, "float16": np.float16}
+# KV pool element types by runtime.json kv_cache.dtype. A quantized cache (quantize_kv_cache) is
+# stored as int8, or as uint8 holding E4M3 bit patterns (the graph reads uint8 and decodes; its new
+# K/V outputs are float8e4m3fn, which ONNX Runtime hands back as uint8).
+_NP_DTYPES = {"float32": np.float32, "float16": np.float16, "int8": np.int8, "float8_e4m3fn": np.uint8}
 
 
 class OnnxRuntimeBackend:
@@ -36,9 +39,10 @@ class OnnxRuntimeBackend:
             import onnxruntime as ort
         except ImportError as e:  # pragma: no cover - depends on the install
             raise RuntimeError("onnxruntime is not installed: pip install onnxruntime") from e
-        from runtime.core import scatter_kv_layers
+        from runtime.core import copy_blocks, scatter_kv_layers
 
         self._scatter = scatter_kv_layers
+        self._copy_blocks = copy_blocks
         kv = config["kv_cache"]
         model = config["model"]
         self.block_size = int(kv["block_size"])
@@ -82,6 +86,12 @@ class OnnxRuntimeBackend:
     @property
     def kv_cache_bytes(self) -> int:
         return 2 * sum(p.nbytes for p in self.k_pools)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy KV blocks src -> dst, pair after pair, in every layer's K and V pool (copy-on-write:
+        `ScheduledBatch.block_copies`, applied before the step's forward). Validates all first."""
+        if len(pairs):
+            self._copy_blocks(self.k_pools + self.v_pools, pairs)
 
     def forward(self, batch: ForwardBatch) -> np.ndarray:
         """Run one step: returns logits [len(logits_index), vocab] float32 and writes the step's K/V."""

@@ -1,18 +1,38 @@
-"""The engine core: KV scatter, block manager, scheduler step, ForwardBatch packing.
+"""The engine core: block manager with prefix caching, scheduler step, ForwardBatch packing,
+KV scatter/copy, and sampling.
 
 Two implementations with one contract: the C extension `runtime.core._core` (default) and the
 pure-Python twin `runtime.core.reference` (the test oracle). Set `OPTIMIZE_CORE=python` to run
-on the twin; `CORE_IMPL` says which one was chosen ("c" or "python"). The scheduler has no C
-version yet: `Scheduler` is the reference one in both modes.
+everything on the twin; `CORE_IMPL` says which one was chosen ("c" or "python"). The plain data
+types (SchedulerConfig, BatchEntry, ScheduledBatch, PrefixCacheStats, RNG) are shared.
 """
 
 from __future__ import annotations
 
 import os
 
-from runtime.core.reference import Scheduler, SchedulerConfig
+from runtime.core.reference import (
+    RNG,
+    BatchEntry,
+    PrefixCacheStats,
+    ScheduledBatch,
+    SchedulerConfig,
+    make_rng,
+)
 
-__all__ = ["CORE_IMPL", "Scheduler", "SchedulerConfig", "scatter_kv", "scatter_kv_layers"]
+__all__ = [
+    "CORE_IMPL",
+    "RNG",
+    "BatchEntry",
+    "PrefixCacheStats",
+    "ScheduledBatch",
+    "Scheduler",
+    "SchedulerConfig",
+    "copy_blocks",
+    "make_rng",
+    "scatter_kv",
+    "scatter_kv_layers",
+]
 
 _choice = os.environ.get("OPTIMIZE_CORE", "c").strip().lower() or "c"
 if _choice not in ("c", "python"):
@@ -21,13 +41,14 @@ if _choice not in ("c", "python"):
 CORE_IMPL: str = _choice
 
 if CORE_IMPL == "python":
-    from runtime.core.reference import scatter_kv, scatter_kv_layers
+    from runtime.core.reference import Scheduler, copy_blocks, scatter_kv, scatter_kv_layers
 else:
     try:
-        from runtime.core._core import scatter_kv, scatter_kv_layers
+        from runtime.core._core import copy_blocks, scatter_kv, scatter_kv_layers
     except ImportError as exc:
         raise ImportError(
             "the C extension runtime.core._core is not built: run `pip install -e .` (or "
             "`python setup.py build_ext --inplace`) in the project root, or set OPTIMIZE_CORE=python "
             f"to use the pure-Python core ({exc})"
         ) from exc
+    from runtime.core._cwrap import Scheduler

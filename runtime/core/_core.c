@@ -1,12 +1,13 @@
 /*
- * runtime.core._core -- the C engine core (first piece: KV scatter by slot mapping).
+ * runtime.core._core -- the C engine core: KV scatter and block copy (this file), the Scheduler
+ * type (_scheduler.c), sampling (_sampler.c). Shared internals: _core.h.
  *
  * Plain C against the CPython API and the buffer protocol: no numpy headers, no PyTorch.
  * The pure-Python twin of every function lives in runtime/core/reference.py and is the
  * test oracle (tests/test_core_c.py compares the two).
  *
  * ---------------------------------------------------------------------------------------
- * CONTRACT
+ * CONTRACT (this file)
  * ---------------------------------------------------------------------------------------
  * scatter_kv(pool, new, slot_mapping) -> None
  *     pool          writable, C-contiguous buffer, 4-D [num_blocks, block_size, kv_heads, head_dim]
@@ -33,18 +34,27 @@
  *     are validated before any is written (no partial update on error); one GIL release.
  *     Errors: as scatter_kv, message prefixed with "layer i: "; TypeError when pools/news are
  *     not sequences; ValueError when their lengths differ.
+ *
+ * copy_blocks(pools, pairs) -> None
+ *     pools         sequence of 4-D writable C-contiguous buffers [num_blocks, block_size, ...]
+ *                   (every layer's K and V pool; element type as in scatter_kv)
+ *     pairs         (src, dst) block ids: an integer buffer [P, 2] (C-contiguous) or a sequence
+ *                   of 2-item sequences of ints
+ *     Effect: for each pair in order, for each pool: pool[dst] = pool[src] (a block is
+ *     block_size * kv_heads * head_dim elements); src == dst is a no-op. Everything is
+ *     validated before the first byte is written; the copies run without the GIL.
+ *     Errors: TypeError (not buffers / not pairs of ints / unsupported format), ValueError
+ *     (dimensions, contiguity, read-only, a block id outside [0, num_blocks) of some pool,
+ *     naming the pair and the pool).
  * ---------------------------------------------------------------------------------------
  */
 
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "_core.h"
 
-#include <stdint.h>
 #include <string.h>
-
 /* Element kind of a struct-module format: 'f' float, 'i' signed int, 'u' unsigned, 'b' bool;
  * 0 for anything else (compound, non-native byte order, pointers, ...). */
-static char format_kind(const char *fmt) {
+char core_format_kind(const char *fmt) {
     if (fmt == NULL) {
         return 'u'; /* NULL format means unsigned bytes ('B') */
     }
@@ -98,17 +108,17 @@ static void layer_release(layer_t *l) {
 }
 
 /* Get a strided buffer with format; TypeError naming `name` when obj has none. */
-static int get_buffer(PyObject *obj, Py_buffer *view, const char *prefix, const char *name) {
+int core_get_buffer(PyObject *obj, Py_buffer *view, int extra_flags, const char *prefix, const char *name) {
     if (!PyObject_CheckBuffer(obj)) {
         PyErr_Format(PyExc_TypeError, "%s%s: expected an object with the buffer protocol, got %.100s",
                      prefix, name, Py_TYPE(obj)->tp_name);
         return -1;
     }
-    if (PyObject_GetBuffer(obj, view, PyBUF_RECORDS_RO) < 0) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_RECORDS_RO | extra_flags) < 0) {
         PyObject *type, *value, *tb;
         PyErr_Fetch(&type, &value, &tb);
-        PyErr_Format(PyExc_ValueError, "%s%s: cannot export a strided buffer (%S)", prefix, name,
-                     value ? value : Py_None);
+        PyErr_Format(PyExc_ValueError, "%s%s: cannot export a %sstrided buffer (%S)", prefix, name,
+                     (extra_flags & PyBUF_WRITABLE) ? "writable " : "", value ? value : Py_None);
         Py_XDECREF(type);
         Py_XDECREF(value);
         Py_XDECREF(tb);
@@ -117,13 +127,17 @@ static int get_buffer(PyObject *obj, Py_buffer *view, const char *prefix, const 
     return 0;
 }
 
+static int get_buffer(PyObject *obj, Py_buffer *view, const char *prefix, const char *name) {
+    return core_get_buffer(obj, view, 0, prefix, name);
+}
+
 /* Validate slot_mapping; fill *slots, *n. */
 static int check_slots(Py_buffer *s, const int64_t **slots, Py_ssize_t *n) {
     if (s->ndim != 1) {
         PyErr_Format(PyExc_ValueError, "slot_mapping: expected 1 dimension [T], got %d", s->ndim);
         return -1;
     }
-    if (format_kind(s->format) != 'i' || s->itemsize != 8) {
+    if (core_format_kind(s->format) != 'i' || s->itemsize != 8) {
         PyErr_Format(PyExc_TypeError, "slot_mapping: expected int64, got format '%s' with itemsize %zd",
                      s->format ? s->format : "B", s->itemsize);
         return -1;
@@ -163,7 +177,7 @@ static int check_layer(layer_t *l, PyObject *pool_obj, PyObject *new_obj, const 
                      prefix, w->ndim);
         return -1;
     }
-    char pk = format_kind(p->format), wk = format_kind(w->format);
+    char pk = core_format_kind(p->format), wk = core_format_kind(w->format);
     if (pk == 0) {
         PyErr_Format(PyExc_TypeError, "%spool: unsupported element format '%s'", prefix, p->format);
         return -1;
@@ -325,19 +339,238 @@ done:
     return result;
 }
 
+/* ---- copy_blocks ------------------------------------------------------------------------ */
+
+static int pair_value(PyObject *obj, int64_t *out) {
+    PyObject *idx = PyNumber_Index(obj);
+    if (idx == NULL) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "pairs: expected (src, dst) pairs of integer block ids, got %.100s",
+                     Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(idx, &overflow);
+    Py_DECREF(idx);
+    if (v == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    if (overflow) {
+        PyErr_SetString(PyExc_ValueError, "pairs: block id out of range");
+        return -1;
+    }
+    *out = v;
+    return 0;
+}
+
+/* pairs -> PyMem array of 2 * *count int64 (caller frees). */
+static int parse_pairs(PyObject *obj, int64_t **out, Py_ssize_t *count) {
+    *out = NULL;
+    *count = 0;
+    if (PyObject_CheckBuffer(obj)) {
+        Py_buffer v;
+        if (get_buffer(obj, &v, "", "pairs") < 0) {
+            return -1;
+        }
+        char kind = core_format_kind(v.format);
+        Py_ssize_t n = v.ndim >= 1 ? v.shape[0] : 0;
+        if (v.len == 0) {
+            PyBuffer_Release(&v);
+            *out = PyMem_Malloc(sizeof(int64_t) * 2);
+            return *out ? 0 : (PyErr_NoMemory(), -1);
+        }
+        if (v.ndim != 2 || v.shape[1] != 2 || (kind != 'i' && kind != 'u') ||
+            (v.itemsize != 1 && v.itemsize != 2 && v.itemsize != 4 && v.itemsize != 8)) {
+            PyErr_Format(PyExc_TypeError, "pairs: expected (src, dst) pairs of integer block ids, got format '%s' "
+                         "with %d dimensions", v.format ? v.format : "B", v.ndim);
+            PyBuffer_Release(&v);
+            return -1;
+        }
+        int64_t *p = PyMem_Malloc((size_t)n * 2 * sizeof(int64_t));
+        if (p == NULL) {
+            PyBuffer_Release(&v);
+            PyErr_NoMemory();
+            return -1;
+        }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            for (int j = 0; j < 2; j++) {
+                const char *e = (const char *)v.buf + i * v.strides[0] + j * v.strides[1];
+                int64_t x;
+                if (kind == 'i') {
+                    switch (v.itemsize) {
+                    case 1: x = *(const int8_t *)e; break;
+                    case 2: { int16_t t; memcpy(&t, e, 2); x = t; break; }
+                    case 4: { int32_t t; memcpy(&t, e, 4); x = t; break; }
+                    default: memcpy(&x, e, 8); break;
+                    }
+                } else {
+                    uint64_t u;
+                    switch (v.itemsize) {
+                    case 1: u = *(const uint8_t *)e; break;
+                    case 2: { uint16_t t; memcpy(&t, e, 2); u = t; break; }
+                    case 4: { uint32_t t; memcpy(&t, e, 4); u = t; break; }
+                    default: memcpy(&u, e, 8); break;
+                    }
+                    if (u > (uint64_t)INT64_MAX) {
+                        PyMem_Free(p);
+                        PyBuffer_Release(&v);
+                        PyErr_SetString(PyExc_ValueError, "pairs: block id out of range");
+                        return -1;
+                    }
+                    x = (int64_t)u;
+                }
+                p[2 * i + j] = x;
+            }
+        }
+        PyBuffer_Release(&v);
+        *out = p;
+        *count = n;
+        return 0;
+    }
+    PyObject *seq = PySequence_Fast(obj, "pairs: expected (src, dst) pairs of block ids");
+    if (seq == NULL) {
+        return -1;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    int64_t *p = PyMem_Malloc((size_t)(n > 0 ? n : 1) * 2 * sizeof(int64_t));
+    if (p == NULL) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *pair = PySequence_Fast(PySequence_Fast_GET_ITEM(seq, i),
+                                         "pairs: expected (src, dst) pairs of integer block ids");
+        int bad = pair == NULL;
+        if (!bad && PySequence_Fast_GET_SIZE(pair) != 2) {
+            PyErr_SetString(PyExc_TypeError, "pairs: expected (src, dst) pairs of integer block ids");
+            bad = 1;
+        }
+        if (!bad && (pair_value(PySequence_Fast_GET_ITEM(pair, 0), &p[2 * i]) < 0 ||
+                     pair_value(PySequence_Fast_GET_ITEM(pair, 1), &p[2 * i + 1]) < 0)) {
+            bad = 1;
+        }
+        Py_XDECREF(pair);
+        if (bad) {
+            PyMem_Free(p);
+            Py_DECREF(seq);
+            return -1;
+        }
+    }
+    Py_DECREF(seq);
+    *out = p;
+    *count = n;
+    return 0;
+}
+
+PyDoc_STRVAR(copy_blocks_doc,
+             "copy_blocks(pools, pairs)\n--\n\n"
+             "For each (src, dst) in order, pool[dst] = pool[src] in every pool ([num_blocks, block_size,\n"
+             "kv_heads, head_dim], writable, C-contiguous). Validates everything before writing.");
+
+static PyObject *copy_blocks(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *pools_obj, *pairs_obj;
+    if (!PyArg_ParseTuple(args, "OO:copy_blocks", &pools_obj, &pairs_obj)) {
+        return NULL;
+    }
+    PyObject *pools = PySequence_Fast(pools_obj, "pools: expected a sequence of pool buffers");
+    if (pools == NULL) {
+        return NULL;
+    }
+    int64_t *pairs = NULL;
+    Py_ssize_t npairs = 0, npools = PySequence_Fast_GET_SIZE(pools), have = 0;
+    Py_buffer *views = NULL;
+    PyObject *result = NULL;
+    if (parse_pairs(pairs_obj, &pairs, &npairs) < 0) {
+        goto done;
+    }
+    views = PyMem_Calloc(npools > 0 ? (size_t)npools : 1, sizeof(Py_buffer));
+    if (views == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < npools; i++) {
+        char name[48];
+        snprintf(name, sizeof name, "pools[%zd]", i);
+        Py_buffer *v = &views[i];
+        if (get_buffer(PySequence_Fast_GET_ITEM(pools, i), v, "", name) < 0) {
+            goto done;
+        }
+        have = i + 1;
+        if (v->ndim != 4) {
+            PyErr_Format(PyExc_ValueError, "%s: expected 4 dimensions [num_blocks, block_size, kv_heads, head_dim], "
+                         "got %d", name, v->ndim);
+            goto done;
+        }
+        if (core_format_kind(v->format) == 0) {
+            PyErr_Format(PyExc_TypeError, "%s: unsupported element format '%s'", name, v->format);
+            goto done;
+        }
+        if (!PyBuffer_IsContiguous(v, 'C')) {
+            PyErr_Format(PyExc_ValueError, "%s: must be C-contiguous", name);
+            goto done;
+        }
+        if (v->readonly) {
+            PyErr_Format(PyExc_ValueError, "%s: buffer is read-only", name);
+            goto done;
+        }
+        for (Py_ssize_t k = 0; k < 2 * npairs; k++) {
+            if (pairs[k] < 0 || pairs[k] >= (int64_t)v->shape[0]) {
+                PyErr_Format(PyExc_ValueError, "pairs: block id %lld (pair %zd) outside %s's [0, %zd)",
+                             (long long)pairs[k], k / 2, name, v->shape[0]);
+                goto done;
+            }
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < npools; i++) {
+        char *base = (char *)views[i].buf;
+        const Py_ssize_t block = views[i].shape[0] > 0 ? views[i].len / views[i].shape[0] : 0;
+        for (Py_ssize_t k = 0; k < npairs; k++) {
+            if (pairs[2 * k] != pairs[2 * k + 1]) {
+                memcpy(base + pairs[2 * k + 1] * block, base + pairs[2 * k] * block, (size_t)block);
+            }
+        }
+    }
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    for (Py_ssize_t i = 0; i < have; i++) {
+        PyBuffer_Release(&views[i]);
+    }
+    PyMem_Free(views);
+    PyMem_Free(pairs);
+    Py_DECREF(pools);
+    return result;
+}
+
 static PyMethodDef core_methods[] = {
     {"scatter_kv", scatter_kv, METH_VARARGS, scatter_kv_doc},
     {"scatter_kv_layers", scatter_kv_layers, METH_VARARGS, scatter_kv_layers_doc},
+    {"copy_blocks", copy_blocks, METH_VARARGS, copy_blocks_doc},
     {NULL, NULL, 0, NULL},
 };
 
 PyDoc_STRVAR(core_doc,
              "The C engine core of the optimize runtime (twin: runtime.core.reference).\n\n"
-             "scatter_kv(pool, new, slot_mapping): write new K/V rows into the paged pool.\n"
-             "scatter_kv_layers(pools, news, slot_mapping): the same for every layer in one call.");
+             "scatter_kv / scatter_kv_layers: write new K/V rows into the paged pools.\n"
+             "copy_blocks: copy-on-write copies of KV blocks in every pool.\n"
+             "Scheduler: block pool, prefix cache, scheduler step, packing (use runtime.core.Scheduler).\n"
+             "sample / sample_probs: the sampler (use runtime.sampling.Sampler).");
 
 static struct PyModuleDef core_module = {
     PyModuleDef_HEAD_INIT, "_core", core_doc, -1, core_methods, NULL, NULL, NULL, NULL,
 };
 
-PyMODINIT_FUNC PyInit__core(void) { return PyModule_Create(&core_module); }
+PyMODINIT_FUNC PyInit__core(void) {
+    PyObject *m = PyModule_Create(&core_module);
+    if (m == NULL) {
+        return NULL;
+    }
+    if (PyModule_AddFunctions(m, core_sampler_methods) < 0 || core_scheduler_register(m) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
