@@ -228,5 +228,100 @@ def eval_cmd(artifact: Path, data: Path, chunk_len: int, max_tokens: int | None,
                    f"in {res.chunks} chunks of {chunk_len}, {dt:.1f} s)")
 
 
+@main.command()
+@click.argument("artifact", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0: every interface).")
+@click.option("--port", default=8000, show_default=True, help="TCP port (0: any free port; the bound one is printed).")
+@click.option("--api-key", envvar="OPTIMIZE_API_KEY", default=None,
+              help="Require `Authorization: Bearer KEY` on /v1/* (env OPTIMIZE_API_KEY).")
+@click.option("--served-model-name", default=None, help="Model id in the API (default: the artifact's name).")
+@click.option("--max-waiting", default=256, show_default=True,
+              help="Accepted requests not yet running at most; beyond it: 429 with Retry-After.")
+@click.option("--request-timeout", default=600.0, show_default=True, help="Seconds a request may take in all.")
+@click.option("--max-body-bytes", default=1 << 20, show_default=True, help="Largest request body.")
+@click.option("--shutdown-grace", default=30.0, show_default=True,
+              help="Seconds in-flight requests get to finish after SIGTERM.")
+@click.option("--num-kv-blocks", type=int, default=None, help="KV cache blocks (default: runtime.json).")
+@click.option("--max-num-seqs", type=int, default=None, help="Running sequences at most (default: runtime.json).")
+@click.option("--max-num-batched-tokens", type=int, default=None, help="Token budget per step (default: runtime.json).")
+@click.option("--max-model-len", type=int, default=None, help="Context per sequence, at most runtime.json's.")
+@click.option("--threads", type=int, default=None, help="ONNX Runtime intra-op threads (default: all cores).")
+def serve(artifact: Path, host: str, port: int, api_key: str | None, served_model_name: str | None,
+          max_waiting: int, request_timeout: float, max_body_bytes: int, shutdown_grace: float,
+          num_kv_blocks: int | None, max_num_seqs: int | None, max_num_batched_tokens: int | None,
+          max_model_len: int | None, threads: int | None) -> None:
+    """Serve ARTIFACT over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /metrics)."""
+    from runtime.server import ServerConfig
+    from runtime.server import serve as run_server
+
+    try:
+        config = ServerConfig(artifact=artifact, host=host, port=port, api_key=api_key or None,
+                              served_model_name=served_model_name, max_waiting=max_waiting,
+                              request_timeout=request_timeout, max_body_bytes=max_body_bytes,
+                              shutdown_grace=shutdown_grace, num_kv_blocks=num_kv_blocks,
+                              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                              max_model_len=max_model_len, threads=threads)
+        config.validate()
+    except ValueError as e:
+        _fail(str(e))
+        return
+    sys.exit(run_server(config, announce=lambda line: click.echo(line, err=line.startswith("error:"))))
+
+
+@main.command()
+@click.option("--url", required=True, help="Base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000")
+@click.option("--endpoint", type=click.Choice(["completions", "chat"]), default="completions", show_default=True)
+@click.option("--model", default=None, help="Model id (default: the first of GET /v1/models).")
+@click.option("-n", "--num-requests", default=64, show_default=True, help="Requests to send (measured).")
+@click.option("-c", "--concurrency", type=int, default=None, help="Requests in flight at most.")
+@click.option("--request-rate", type=float, default=float("inf"), show_default=True,
+              help="Poisson arrivals per second (inf: all at once, bounded by --concurrency).")
+@click.option("--input-len", default=128, show_default=True, help="Prompt length (tokens for ids, words for text).")
+@click.option("--output-len", default=128, show_default=True, help="max_tokens of each request.")
+@click.option("--range-ratio", default=0.0, show_default=True,
+              help="Random lengths: uniform in [L*(1-r), L*(1+r)]; 0 = fixed.")
+@click.option("--prompt-kind", type=click.Choice(["text", "ids"]), default="text", show_default=True,
+              help="Prompts as words (any server) or random token ids (completions; exact lengths).")
+@click.option("--ignore-eos/--no-ignore-eos", default=True, show_default=True,
+              help="Send ignore_eos so every request generates --output-len tokens.")
+@click.option("--temperature", default=0.0, show_default=True)
+@click.option("--seed", default=0, show_default=True, help="Seed of prompts, lengths and arrivals.")
+@click.option("--api-key", envvar="OPENAI_API_KEY", default=None, help="Bearer key (env OPENAI_API_KEY).")
+@click.option("--timeout", default=600.0, show_default=True, help="Seconds per request.")
+@click.option("--warmup", default=0, show_default=True, help="Unmeasured requests sent first, one at a time.")
+@click.option("--goodput", multiple=True, metavar="KEY:MS",
+              help="SLO for goodput, repeatable: ttft:MS, tpot:MS, e2e:MS, itl:MS.")
+@click.option("--output-json", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write the report (and every request's timings) as JSON here.")
+def bench(url: str, endpoint: str, model: str | None, num_requests: int, concurrency: int | None,
+          request_rate: float, input_len: int, output_len: int, range_ratio: float, prompt_kind: str,
+          ignore_eos: bool, temperature: float, seed: int, api_key: str | None, timeout: float, warmup: int,
+          goodput: tuple[str, ...], output_json: Path | None) -> None:
+    """Load-test an OpenAI-compatible server: TTFT, ITL, TPOT, e2e percentiles, throughput, goodput."""
+    import asyncio
+    from dataclasses import asdict
+
+    from runtime.loadgen import BenchConfig, format_table, parse_goodput, run_bench
+
+    try:
+        cfg = BenchConfig(url=url, endpoint=endpoint, model=model, num_requests=num_requests,
+                          concurrency=concurrency, request_rate=request_rate, input_len=input_len,
+                          output_len=output_len, range_ratio=range_ratio, prompt_kind=prompt_kind,
+                          ignore_eos=ignore_eos, temperature=temperature, seed=seed, api_key=api_key,
+                          timeout=timeout, warmup=warmup, goodput=parse_goodput(goodput))
+        cfg.validate()
+        report, results = asyncio.run(run_bench(cfg))
+    except (ValueError, RuntimeError, OSError) as e:
+        _fail(str(e))
+        return
+    click.echo(format_table(report))
+    if output_json is not None:
+        detail = [{k: v for k, v in asdict(r).items()} for r in results]
+        output_json.write_text(json.dumps({**report, "per_request": detail}, indent=2) + "\n", encoding="utf-8")
+        click.echo(f"wrote {output_json}")
+    if report["requests"]["completed"] == 0:
+        _fail("no request completed")
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()

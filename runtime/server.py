@@ -1,0 +1,958 @@
+"""OpenAI-compatible HTTP server for one artifact (aiohttp), with SSE streaming, metrics and back-pressure.
+
+Endpoints:
+
+    POST /v1/completions        prompt (a string, one string in a list, token ids, or one list of ids)
+    POST /v1/chat/completions   messages, rendered with the tokenizer's chat template
+    GET  /v1/models             the served model (id = artifact name unless --served-model-name)
+    GET  /health                200 while the process and its engine thread are alive (liveness)
+    GET  /ready                 200 once the artifact is verified, loaded and warmed up, and not draining
+    GET  /metrics               Prometheus text (runtime/metrics.py)
+
+Request fields: max_tokens (chat: also max_completion_tokens), temperature (default 1), top_p,
+top_k (extension; -1 or 0 = off), seed, stop (a string or a list), n (only 1), stream,
+stream_options.include_usage, logprobs (completions: 0..20 alternatives; chat: bool with
+top_logprobs 0..20), echo (completions, not with logprobs), and the vLLM extensions ignore_eos and
+stop_token_ids. Logprobs are log_softmax of the model's raw logits (before temperature/top-k/top-p).
+presence_penalty, frequency_penalty, repetition_penalty and min_p go to the sampler where this
+runtime's SamplingParams has them (else 400 unless neutral); logit_bias, best_of, suffix, tools
+and non-text response_format are refused (400) unless neutral; other unknown fields are ignored. completions default to 16
+tokens; chat defaults to the rest of the context.
+
+Chat template: `chat_template` of tokenizer/tokenizer_config.json, rendered with a sandboxed
+Jinja2 environment (messages, add_generation_prompt=True, bos_token, eos_token). Without one the
+fallback format is, for each message, `### <Role>:\n<content>\n\n`, then `### Assistant:\n`
+(Role capitalised; content parts of type "text" are joined).
+
+Errors are OpenAI-style: `{"error": {"message", "type", "param", "code"}}`; `_ERRORS` maps each
+kind to its status. Admission: requests accepted and not running are bounded by --max-waiting
+(429 with Retry-After beyond it); prompt + max_tokens over the context, bad types or values and
+bodies over --max-body-bytes are 400; a wrong or missing API key is 401 (when --api-key is set;
+/health, /ready and /metrics stay open for probes and scrapers); a request that runs longer than
+--request-timeout is aborted (408, or an error event on a stream). A client that disconnects
+aborts its request, which frees its KV blocks before the engine's next step.
+
+Lifecycle: the socket is bound first (so /health answers during loading), then the artifact is
+verified (sha256 of every file), loaded and warmed up on a worker thread, and /ready turns 200.
+SIGTERM (or SIGINT) stops admitting (/ready 503, new connections refused), lets in-flight requests
+finish for up to --shutdown-grace seconds (then aborts them), stops the engine and exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import enum
+import hmac
+import json
+import logging
+import math
+import signal
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from runtime.artifact import Artifact, ArtifactError, read_manifest, sha256_file
+from runtime.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    GenerateRequest,
+    QueueFull,
+    RequestStream,
+    warm_up,
+)
+from runtime.engine import RequestOutput, TokenLogprob
+from runtime.metrics import CONTENT_TYPE, ServingMetrics
+from runtime.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "DEFAULT_HOST",
+    "DEFAULT_PORT",
+    "HEALTH_PATH",
+    "METRICS_PATH",
+    "READY_PATH",
+    "APIError",
+    "ErrorKind",
+    "Server",
+    "ServerConfig",
+    "serve",
+]
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+DEFAULT_SHUTDOWN_GRACE = 30.0  # seconds in-flight requests get after SIGTERM
+HEALTH_PATH = "/health"
+READY_PATH = "/ready"
+METRICS_PATH = "/metrics"
+MAX_LOGPROBS = 20
+MAX_STOP = 16
+
+
+@dataclass
+class ServerConfig:
+    artifact: Path
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT  # 0: any free port (the bound one is printed)
+    api_key: str | None = None  # when set, /v1/* needs `Authorization: Bearer <key>`
+    served_model_name: str | None = None  # default: the artifact's name
+    max_waiting: int = 256  # accepted requests not yet running; one more gets 429
+    request_timeout: float = 600.0  # seconds from receipt to the last token
+    max_body_bytes: int = 1 << 20
+    shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE
+    # Engine limits (None: the artifact's runtime.json).
+    num_kv_blocks: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    threads: int | None = None  # ONNX Runtime intra-op threads
+    warmup: bool = True
+
+    def validate(self) -> None:
+        if self.max_waiting < 1:  # every request waits at least until the engine's next step
+            raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")
+        for name in ("request_timeout", "shutdown_grace"):
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+
+
+# --------------------------------------------------------------------------------------------
+# Errors: one table from kind to HTTP status and OpenAI error type
+# --------------------------------------------------------------------------------------------
+
+
+class ErrorKind(enum.Enum):
+    INVALID_REQUEST = "invalid_request"
+    AUTHENTICATION = "authentication"
+    NOT_FOUND = "not_found"
+    METHOD_NOT_ALLOWED = "method_not_allowed"
+    TIMEOUT = "timeout"
+    QUEUE_FULL = "queue_full"
+    UNAVAILABLE = "unavailable"
+    INTERNAL = "internal"
+
+
+_ERRORS: dict[ErrorKind, tuple[int, str]] = {
+    ErrorKind.INVALID_REQUEST: (400, "invalid_request_error"),
+    ErrorKind.AUTHENTICATION: (401, "authentication_error"),
+    ErrorKind.NOT_FOUND: (404, "not_found_error"),
+    ErrorKind.METHOD_NOT_ALLOWED: (405, "invalid_request_error"),
+    ErrorKind.TIMEOUT: (408, "timeout_error"),
+    ErrorKind.QUEUE_FULL: (429, "rate_limit_error"),
+    ErrorKind.UNAVAILABLE: (503, "service_unavailable_error"),
+    ErrorKind.INTERNAL: (500, "server_error"),
+}
+
+
+class APIError(Exception):
+    """A request refused or failed; `error_body()` is what the client sees."""
+
+    def __init__(self, kind: ErrorKind, message: str, *, param: str | None = None, code: str | None = None,
+                 retry_after: int | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+        self.param = param
+        self.code = code
+        self.retry_after = retry_after
+
+    @property
+    def status(self) -> int:
+        return _ERRORS[self.kind][0]
+
+    def error_body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": _ERRORS[self.kind][1], "param": self.param,
+                          "code": self.code}}
+
+    def response(self) -> web.Response:
+        headers = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else None
+        return web.json_response(self.error_body(), status=self.status, headers=headers, dumps=_dumps)
+
+
+def _invalid(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
+    return APIError(ErrorKind.INVALID_REQUEST, message, param=param, code=code)
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+# --------------------------------------------------------------------------------------------
+# Request fields
+# --------------------------------------------------------------------------------------------
+
+_MISSING = object()
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _int(body: dict[str, Any], name: str, default: Any, lo: int | None = None, hi: int | None = None) -> Any:
+    v = body.get(name, _MISSING)
+    if v is _MISSING or v is None:
+        return default
+    if not _is_int(v):
+        raise _invalid(f"{name} must be an integer, got {_show(v)}", name, "invalid_type")
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise _invalid(f"{name} must be {_range(lo, hi)}, got {v}", name)
+    return v
+
+
+def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: float | None = None,
+            lo_open: bool = False) -> float:
+    v = body.get(name, _MISSING)
+    if v is _MISSING or v is None:
+        return default
+    if not isinstance(v, int | float) or isinstance(v, bool):
+        raise _invalid(f"{name} must be a number, got {_show(v)}", name, "invalid_type")
+    bad = v <= lo if lo_open else v < lo
+    if not math.isfinite(v) or bad or (hi is not None and v > hi):
+        low = f"> {lo}" if lo_open else f">= {lo}"
+        raise _invalid(f"{name} must be {low}" + (f" and <= {hi}" if hi is not None else "") + f", got {v}", name)
+    return float(v)
+
+
+def _bool(body: dict[str, Any], name: str, default: bool) -> bool:
+    v = body.get(name, _MISSING)
+    if v is _MISSING or v is None:
+        return default
+    if not isinstance(v, bool):
+        raise _invalid(f"{name} must be a boolean, got {_show(v)}", name, "invalid_type")
+    return v
+
+
+def _show(v: object) -> str:
+    text = json.dumps(v) if isinstance(v, str | int | float | bool | type(None)) else type(v).__name__
+    return text if len(text) <= 40 else text[:39] + "…"
+
+
+def _range(lo: int | None, hi: int | None) -> str:
+    if lo is not None and hi is not None:
+        return f"in [{lo}, {hi}]"
+    return f">= {lo}" if lo is not None else f"<= {hi}"
+
+
+def _stop(body: dict[str, Any]) -> list[str]:
+    v = body.get("stop")
+    if v is None:
+        return []
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+        raise _invalid("stop must be a string or a list of strings", "stop", "invalid_type")
+    if len(v) > MAX_STOP or any(not s for s in v):
+        raise _invalid(f"stop: at most {MAX_STOP} non-empty strings", "stop")
+    return list(v)
+
+
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    neutral: dict[str, Callable[[Any], bool]] = {
+        "logit_bias": lambda v: not v,
+        "best_of": lambda v: v in (None, 1),
+        "suffix": lambda v: v in (None, ""),
+        "tools": lambda v: not v,
+        "functions": lambda v: not v,
+        "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") in (None, "text")),
+    }
+    for name, ok in neutral.items():
+        if name in body and not ok(body[name]):
+            raise _invalid(f"{name} is not supported by this server", name, "unsupported_parameter")
+
+
+# Sampling fields passed on when this runtime's SamplingParams has them: (neutral, min, max).
+_OPTIONAL_SAMPLING: dict[str, tuple[float, float, float | None]] = {
+    "presence_penalty": (0.0, -2.0, 2.0),
+    "frequency_penalty": (0.0, -2.0, 2.0),
+    "repetition_penalty": (1.0, 0.0, None),
+    "min_p": (0.0, 0.0, 1.0),
+}
+_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+
+@dataclass
+class _Parsed:
+    """A validated request, ready for the engine."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    logprobs: int | None  # None: off; N: top-N alternatives per token
+    echo_text: str | None  # completions with echo: the prompt text to prepend
+
+
+# --------------------------------------------------------------------------------------------
+# Tokenizer and chat template
+# --------------------------------------------------------------------------------------------
+
+
+class TextCodec:
+    """The artifact's tokenizer on the HTTP side (encode, decode, one token's text for logprobs)."""
+
+    def __init__(self, folder: Path) -> None:
+        from tokenizers import Tokenizer
+
+        self._tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        self.vocab_size = self._tok.get_vocab_size()
+        self._pieces: dict[int, str] = {}
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+    def piece(self, token_id: int) -> str:
+        p = self._pieces.get(token_id)
+        if p is None:
+            p = self._pieces[token_id] = self._tok.decode([token_id], skip_special_tokens=False)
+        return p
+
+
+def _special(config: dict[str, Any], name: str) -> str:
+    v = config.get(name)
+    if isinstance(v, dict):
+        v = v.get("content")
+    return v if isinstance(v, str) else ""
+
+
+class ChatTemplate:
+    """Messages -> prompt text: the tokenizer's Jinja `chat_template`, or the documented fallback."""
+
+    def __init__(self, tokenizer_config: dict[str, Any]) -> None:
+        source = tokenizer_config.get("chat_template")
+        if isinstance(source, list):  # named templates: [{"name": "default", "template": "..."}]
+            named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+            source = named.get("default") or next(iter(named.values()), None)
+        self.source: str | None = source if isinstance(source, str) and source.strip() else None
+        self.bos_token = _special(tokenizer_config, "bos_token")
+        self.eos_token = _special(tokenizer_config, "eos_token")
+        self._template: Any = None
+        if self.source is not None:
+            from jinja2.exceptions import TemplateError
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            def raise_exception(message: str) -> None:
+                raise TemplateError(message)
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=["jinja2.ext.loopcontrols"])
+            env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
+            env.globals["raise_exception"] = raise_exception
+            env.globals["strftime_now"] = lambda fmt: time.strftime(fmt)
+            self._template = env.from_string(self.source)
+
+    def render(self, messages: list[dict[str, str]]) -> tuple[str, bool]:
+        """(prompt text, whether the tokenizer should add its special tokens such as BOS)."""
+        if self._template is None:
+            parts = [f"### {m['role'].capitalize()}:\n{m['content']}\n\n" for m in messages]
+            return "".join(parts) + "### Assistant:\n", True
+        from jinja2.exceptions import TemplateError
+
+        try:
+            text = self._template.render(messages=messages, add_generation_prompt=True,
+                                         bos_token=self.bos_token, eos_token=self.eos_token)
+        except TemplateError as exc:
+            raise _invalid(f"the chat template refused these messages: {exc}", "messages") from exc
+        return text, False  # templates write their own special tokens
+
+
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise _invalid("messages must be a non-empty list", "messages",
+                       "missing_field" if msgs is None else "invalid_type")
+    out = []
+    for i, m in enumerate(msgs):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise _invalid(f"{where} must be an object", where, "invalid_type")
+        role = m.get("role")
+        if role not in _ROLES:
+            raise _invalid(f"{where}.role must be one of {', '.join(_ROLES)}, got {_show(role)}", f"{where}.role")
+        content = m.get("content")
+        if content is None:
+            content = ""
+        elif isinstance(content, list):
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise _invalid(f"{where}.content: only parts of type 'text' are supported", f"{where}.content")
+                texts.append(part["text"])
+            content = "".join(texts)
+        elif not isinstance(content, str):
+            raise _invalid(f"{where}.content must be a string or a list of text parts", f"{where}.content",
+                           "invalid_type")
+        out.append({"role": role, "content": content})
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# The server
+# --------------------------------------------------------------------------------------------
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class Server:
+    """One artifact behind the OpenAI API: `await start()` binds, `await load()` makes it ready,
+    `begin_drain()` then `await shutdown()` stop it (the sequence `serve()` runs)."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        config.validate()
+        self.config = config
+        manifest = read_manifest(config.artifact)  # fail fast on a missing or foreign artifact
+        self.artifact_name = str(manifest["name"])
+        self.artifact_version = str(manifest["version"])
+        self.manifest_sha256 = sha256_file(Path(config.artifact) / "manifest.json")
+        self.model_id = config.served_model_name or self.artifact_name
+        self.metrics = ServingMetrics(self.artifact_name, self.artifact_version, self.manifest_sha256)
+        self.state = "loading"  # loading -> ready -> draining | failed
+        self.engine: AsyncEngine | None = None
+        self.codec: TextCodec | None = None
+        self.chat: ChatTemplate | None = None
+        self.max_model_len = 0
+        self.block_size = 1
+        self.num_blocks = 0
+        self.created = int(time.time())
+        self.stopped = asyncio.Event()
+        self.app = self._build_app()
+        self.runner: web.AppRunner | None = None
+        self.bound: tuple[str, int] | None = None
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self) -> tuple[str, int]:
+        """Bind the socket (health answers from here on); returns (host, port)."""
+        self.runner = web.AppRunner(self.app, handle_signals=False, handler_cancellation=True,
+                                    shutdown_timeout=self.config.shutdown_grace, access_log=None)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, self.config.host, self.config.port, backlog=1024)
+        await site.start()
+        addresses = self.runner.addresses
+        self.bound = tuple(addresses[0][:2]) if addresses else (self.config.host, self.config.port)  # type: ignore[assignment]
+        return self.bound  # type: ignore[return-value]
+
+    def _load(self) -> tuple[Any, float]:
+        """Worker thread: verify, load and warm up. Returns (LLMEngine, warm-up seconds)."""
+        from runtime.engine import LLMEngine
+
+        c = self.config
+        artifact = Artifact.open(c.artifact, verify=True)
+        engine = LLMEngine(artifact, num_blocks=c.num_kv_blocks, max_num_seqs=c.max_num_seqs,
+                           max_num_batched_tokens=c.max_num_batched_tokens, max_model_len=c.max_model_len,
+                           threads=c.threads)
+        self.codec = TextCodec(artifact.tokenizer_dir)
+        self.chat = ChatTemplate(engine.tokenizer.config)
+        return engine, warm_up(engine) if c.warmup else 0.0
+
+    async def load(self) -> str:
+        """Verify, load and warm up the artifact off the event loop, start the engine thread; a summary line."""
+        t = time.perf_counter()
+        engine, warm = await asyncio.to_thread(self._load)
+        self.max_model_len = engine.scheduler_config.max_model_len
+        self.block_size = engine.scheduler_config.block_size
+        self.num_blocks = engine.scheduler_config.num_blocks
+        self.engine = AsyncEngine(engine, self.metrics, max_waiting=self.config.max_waiting)
+        self.engine.start(asyncio.get_running_loop())
+        if self.state == "loading":
+            self.state = "ready"
+        sc = engine.scheduler_config
+        return (f"ready: verified, loaded and warmed up in {time.perf_counter() - t:.1f} s (warm-up {warm:.2f} s); "
+                f"context {sc.max_model_len}, {sc.num_blocks} KV blocks of {sc.block_size}, "
+                f"{sc.max_num_seqs} running / {self.config.max_waiting} waiting at most")
+
+    def begin_drain(self) -> None:
+        """Stop admitting; `run_until_stopped` then drains and returns."""
+        if self.state != "draining":
+            log.info("draining: no new requests; in-flight ones get %.0f s", self.config.shutdown_grace)
+        self.state = "draining"
+        self.stopped.set()
+
+    async def shutdown(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()  # stop listening, wait for in-flight handlers up to the grace
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.stop)
+
+    # ---- the app ------------------------------------------------------------------------------
+
+    def _build_app(self) -> web.Application:
+        app = web.Application(client_max_size=self.config.max_body_bytes,
+                              middlewares=[self._errors_middleware, self._auth_middleware])
+        app.router.add_get(HEALTH_PATH, self.health)
+        app.router.add_get(READY_PATH, self.ready)
+        app.router.add_get(METRICS_PATH, self.metrics_endpoint)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model:.+}", self.model)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        return app
+
+    @web.middleware
+    async def _errors_middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except APIError as err:
+            if err.kind not in (ErrorKind.TIMEOUT, ErrorKind.INTERNAL):
+                self.metrics.reject(err.kind.value)
+            return err.response()
+        except web.HTTPException as exc:  # routing: unknown path, wrong method
+            if exc.status == 404:
+                err = APIError(ErrorKind.NOT_FOUND, f"no route {request.method} {request.path}", code="not_found")
+            elif exc.status == 405:
+                err = APIError(ErrorKind.METHOD_NOT_ALLOWED, f"{request.method} is not allowed on {request.path}",
+                               code="method_not_allowed")
+            elif exc.status == 413:
+                err = _invalid(f"request body over {self.config.max_body_bytes} bytes", None, "request_too_large")
+            else:
+                raise
+            self.metrics.reject(err.kind.value)
+            return err.response()
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception:
+            log.exception("error handling %s %s", request.method, request.path)
+            return APIError(ErrorKind.INTERNAL, "internal server error", code="internal_error").response()
+
+    @web.middleware
+    async def _auth_middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        key = self.config.api_key
+        if key and request.path.startswith("/v1/"):
+            auth = request.headers.get("Authorization", "")
+            given = auth[7:] if auth.startswith("Bearer ") else ""
+            if not given or not hmac.compare_digest(given.encode(), key.encode()):
+                raise APIError(ErrorKind.AUTHENTICATION,
+                               "missing or wrong API key (send `Authorization: Bearer <key>`)",
+                               code="invalid_api_key")
+        return await handler(request)
+
+    # ---- probes and metrics -------------------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self.state == "failed" or (self.engine is not None and not self.engine.alive and self.state != "draining"):
+            return web.json_response({"status": "unhealthy", "error": str(self.engine.error if self.engine else "")},
+                                     status=503)
+        return web.json_response({"status": "ok"})
+
+    async def ready(self, request: web.Request) -> web.Response:
+        ok = self.state == "ready" and self.engine is not None and self.engine.alive
+        return web.json_response({"status": self.state if not ok else "ready", "model": self.model_id},
+                                 status=200 if ok else 503)
+
+    async def metrics_endpoint(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render().encode("utf-8"), headers={"Content-Type": CONTENT_TYPE})
+
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "optimize",
+                "root": self.artifact_name, "max_model_len": self.max_model_len or None,
+                "artifact": {"name": self.artifact_name, "version": self.artifact_version,
+                             "manifest_sha256": self.manifest_sha256}}
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self._model_card()]}, dumps=_dumps)
+
+    async def model(self, request: web.Request) -> web.Response:
+        if request.match_info["model"] != self.model_id:
+            raise APIError(ErrorKind.NOT_FOUND, f"model {request.match_info['model']!r} is not served here "
+                           f"(serving {self.model_id!r})", param="model", code="model_not_found")
+        return web.json_response(self._model_card(), dumps=_dumps)
+
+    # ---- request parsing ----------------------------------------------------------------------
+
+    def _admitting(self) -> tuple[AsyncEngine, TextCodec]:
+        if self.state == "draining":
+            raise APIError(ErrorKind.UNAVAILABLE, "the server is shutting down", code="shutting_down", retry_after=1)
+        if self.state != "ready" or self.engine is None or self.codec is None:
+            raise APIError(ErrorKind.UNAVAILABLE, "the model is loading", code="not_ready", retry_after=1)
+        if not self.engine.alive:
+            raise APIError(ErrorKind.UNAVAILABLE, f"the engine stopped: {self.engine.error}", code="engine_dead")
+        return self.engine, self.codec
+
+    async def _body(self, request: web.Request) -> dict[str, Any]:
+        limit = self.config.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise _invalid(f"request body of {request.content_length} bytes is over the limit of {limit}",
+                           None, "request_too_large")
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise _invalid(f"request body over the limit of {limit} bytes", None, "request_too_large") from None
+        try:
+            body = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise _invalid(f"the body is not valid JSON: {exc}", None, "invalid_json") from None
+        if not isinstance(body, dict):
+            raise _invalid("the body must be a JSON object", None, "invalid_json")
+        model = body.get("model")
+        if model is not None and model != self.model_id:
+            raise APIError(ErrorKind.NOT_FOUND, f"model {model!r} is not served here (serving {self.model_id!r})",
+                           param="model", code="model_not_found")
+        return body
+
+    def _sampling(self, body: dict[str, Any], prompt_len: int, max_tokens: int | None, vocab: int,
+                  prompt_param: str) -> SamplingParams:
+        limit = self.max_model_len
+        if prompt_len >= limit:
+            raise _invalid(f"the prompt has {prompt_len} tokens; this model's context is {limit} tokens "
+                           "(prompt + output)", prompt_param, "context_length_exceeded")
+        if max_tokens is None:
+            max_tokens = limit - prompt_len
+        elif prompt_len + max_tokens > limit:
+            raise _invalid(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {prompt_len + max_tokens} "
+                           f"is over this model's context of {limit} tokens", "max_tokens", "context_length_exceeded")
+        blocks = -(-(prompt_len + max_tokens) // self.block_size)
+        if blocks > self.num_blocks:  # one sequence alone would outgrow the KV pool
+            raise _invalid(f"prompt + max_tokens = {prompt_len + max_tokens} tokens need {blocks} KV blocks of "
+                           f"{self.block_size}; this server's pool has {self.num_blocks}", "max_tokens",
+                           "context_length_exceeded")
+        n = _int(body, "n", 1)
+        if n != 1:
+            raise _invalid(f"n must be 1 (one choice per request), got {n}", "n", "unsupported_value")
+        top_k = _int(body, "top_k", 0, lo=-1)
+        ids = body.get("stop_token_ids") or []
+        if not isinstance(ids, list) or not all(_is_int(t) and 0 <= t < vocab for t in ids):
+            raise _invalid(f"stop_token_ids must be a list of token ids in [0, {vocab})", "stop_token_ids")
+        extra: dict[str, float] = {}
+        for name, (neutral, lo, hi) in _OPTIONAL_SAMPLING.items():
+            value = _number(body, name, neutral, lo=lo, hi=hi)
+            if value == neutral:
+                continue
+            if name not in _SAMPLING_FIELDS:
+                raise _invalid(f"{name} is not supported by this runtime", name, "unsupported_parameter")
+            extra[name] = value
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=_number(body, "temperature", 1.0, lo=0.0),
+            top_p=_number(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True),
+            top_k=0 if top_k == -1 else top_k,
+            seed=_int(body, "seed", None, lo=0, hi=2**63 - 1),
+            stop=_stop(body),
+            stop_token_ids=list(ids),
+            ignore_eos=_bool(body, "ignore_eos", False),
+            **extra,
+        )
+        try:
+            params.validate()
+        except ValueError as exc:
+            name = str(exc).split(" ", 1)[0]
+            raise _invalid(str(exc), name if name in _SAMPLING_FIELDS else None) from None
+        return params
+
+    @staticmethod
+    def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
+        stream = _bool(body, "stream", False)
+        opts = body.get("stream_options")
+        if opts is None:
+            return stream, False
+        if not isinstance(opts, dict):
+            raise _invalid("stream_options must be an object", "stream_options", "invalid_type")
+        if not stream:
+            raise _invalid("stream_options is only allowed with stream=true", "stream_options")
+        return stream, _bool(opts, "include_usage", False)
+
+    def _parse_completion(self, body: dict[str, Any], codec: TextCodec) -> _Parsed:
+        _refuse_unsupported(body)
+        prompt = body.get("prompt", _MISSING)
+        if prompt is _MISSING or prompt is None:
+            raise _invalid("prompt is required", "prompt", "missing_field")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+            prompt = prompt[0]  # one prompt given as a batch of one
+        if isinstance(prompt, str):
+            ids = codec.encode(prompt)
+        elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+            if not all(0 <= t < codec.vocab_size for t in prompt):
+                raise _invalid(f"prompt token ids must be in [0, {codec.vocab_size})", "prompt")
+            ids = list(prompt)
+        elif isinstance(prompt, list) and len(prompt) > 1:
+            raise _invalid("one prompt per request (batches of prompts are not supported)", "prompt",
+                           "unsupported_value")
+        else:
+            raise _invalid("prompt must be a string, a list of token ids, or a list holding one of those",
+                           "prompt", "invalid_type")
+        if not ids:
+            raise _invalid("the prompt is empty", "prompt")
+        stream, include_usage = self._stream_flags(body)
+        logprobs = _int(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS)
+        echo = _bool(body, "echo", False)
+        if echo and logprobs is not None:
+            raise _invalid("echo with logprobs (prompt logprobs) is not supported", "echo", "unsupported_value")
+        max_tokens = _int(body, "max_tokens", 16, lo=1)
+        params = self._sampling(body, len(ids), max_tokens, codec.vocab_size, "prompt")
+        echo_text = (prompt if isinstance(prompt, str) else codec.decode(ids)) if echo else None
+        return _Parsed(ids, params, stream, include_usage, logprobs, echo_text)
+
+    def _parse_chat(self, body: dict[str, Any], codec: TextCodec) -> _Parsed:
+        _refuse_unsupported(body)
+        messages = _messages(body)
+        if self.chat is None:  # set together with the codec at load
+            raise APIError(ErrorKind.UNAVAILABLE, "the model is loading", code="not_ready", retry_after=1)
+        text, add_special = self.chat.render(messages)
+        ids = codec.encode(text, add_special_tokens=add_special)
+        if not ids:
+            raise _invalid("the rendered chat prompt is empty", "messages")
+        stream, include_usage = self._stream_flags(body)
+        want = _bool(body, "logprobs", False)
+        top = _int(body, "top_logprobs", None, lo=0, hi=MAX_LOGPROBS)
+        if top is not None and not want:
+            raise _invalid("top_logprobs needs logprobs=true", "top_logprobs")
+        max_tokens = _int(body, "max_completion_tokens", None, lo=1)
+        if max_tokens is None:
+            max_tokens = _int(body, "max_tokens", None, lo=1)
+        params = self._sampling(body, len(ids), max_tokens, codec.vocab_size, "messages")
+        return _Parsed(ids, params, stream, include_usage, (top or 0) if want else None, None)
+
+    # ---- generation ---------------------------------------------------------------------------
+
+    def _queue_full(self, engine: AsyncEngine, exc: QueueFull) -> APIError:
+        mean = self.metrics.mean_e2e()
+        seqs = max(1, engine.engine.scheduler_config.max_num_seqs)
+        wait = 1 if mean is None else min(60, max(1, math.ceil(mean * engine.num_waiting / seqs)))
+        return APIError(ErrorKind.QUEUE_FULL, f"the server is at capacity: {exc}; retry later",
+                        code="queue_full", retry_after=wait)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        arrival = time.perf_counter()
+        engine, codec = self._admitting()
+        body = await self._body(request)
+        parsed = self._parse_chat(body, codec) if chat else self._parse_completion(body, codec)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        req = GenerateRequest(rid, parsed.prompt_ids, parsed.params, parsed.logprobs, arrival)
+        fmt = _ChatFormat(self, rid, codec) if chat else _CompletionFormat(self, rid, codec, parsed.echo_text)
+        deadline = self.config.request_timeout
+        try:
+            async with engine.generate(req) as stream:
+                if parsed.stream:
+                    return await self._stream(request, stream, fmt, parsed, deadline)
+                lps: list[TokenLogprob] = []
+                final: RequestOutput | None = None
+                try:
+                    async with asyncio.timeout(deadline):
+                        async for out in stream:
+                            if out.new_logprobs:
+                                lps.extend(out.new_logprobs)
+                            final = out
+                except TimeoutError:
+                    stream.abort_reason = "timeout"
+                    raise APIError(ErrorKind.TIMEOUT, f"the request took longer than {deadline:g} s",
+                                   code="request_timeout") from None
+                if final is None or not final.finished:
+                    raise APIError(ErrorKind.INTERNAL, "the engine ended the request without a final output",
+                                   code="internal_error")
+                return web.json_response(fmt.response(final, lps if parsed.logprobs is not None else None),
+                                         dumps=_dumps)
+        except QueueFull as exc:
+            raise self._queue_full(engine, exc) from None
+        except EngineDeadError as exc:
+            raise APIError(ErrorKind.UNAVAILABLE, str(exc), code="engine_dead") from None
+        except ValueError as exc:  # refused by the engine itself
+            raise _invalid(str(exc)) from None
+
+    async def _stream(self, request: web.Request, stream: RequestStream, fmt: _Format, parsed: _Parsed,
+                      deadline: float) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Accel-Buffering": "no"})
+        await resp.prepare(request)
+        try:
+            for chunk in fmt.start():
+                await _send(resp, chunk)
+            try:
+                async with asyncio.timeout(deadline):
+                    async for out in stream:
+                        chunk = fmt.chunk(out, parsed.logprobs is not None)
+                        if chunk is not None:
+                            await _send(resp, chunk)
+                        if out.finished and parsed.include_usage:
+                            await _send(resp, fmt.usage_chunk(out))
+            except TimeoutError:
+                stream.abort_reason = "timeout"
+                await _send(resp, APIError(ErrorKind.TIMEOUT, f"the request took longer than {deadline:g} s",
+                                           code="request_timeout").error_body())
+            except (EngineDeadError, ValueError) as exc:
+                kind = ErrorKind.UNAVAILABLE if isinstance(exc, EngineDeadError) else ErrorKind.INVALID_REQUEST
+                await _send(resp, APIError(kind, str(exc)).error_body())
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except ConnectionResetError:
+            log.debug("client of %s went away", stream.request_id)  # the context manager aborts it
+        return resp
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+async def _send(resp: web.StreamResponse, obj: dict[str, Any]) -> None:
+    await resp.write(b"data: " + _dumps(obj).encode("utf-8") + b"\n\n")
+
+
+# --------------------------------------------------------------------------------------------
+# Response shapes
+# --------------------------------------------------------------------------------------------
+
+
+class _Format:
+    object_name = ""
+    chunk_object = ""
+
+    def __init__(self, server: Server, rid: str, codec: TextCodec) -> None:
+        self.server = server
+        self.rid = rid
+        self.codec = codec
+        self.created = int(time.time())
+
+    def usage(self, out: RequestOutput) -> dict[str, Any]:
+        p, c = len(out.prompt_token_ids), len(out.token_ids)
+        cached = out.metrics.num_cached_tokens if out.metrics is not None else 0
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.server.model_id,
+                "choices": choices}
+
+    def usage_chunk(self, out: RequestOutput) -> dict[str, Any]:
+        return {**self.envelope(self.chunk_object, []), "usage": self.usage(out)}
+
+    def start(self) -> list[dict[str, Any]]:
+        return []
+
+    def chunk(self, out: RequestOutput, logprobs: bool) -> dict[str, Any] | None:
+        raise NotImplementedError
+
+    def response(self, out: RequestOutput, lps: list[TokenLogprob] | None) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class _CompletionFormat(_Format):
+    chunk_object = "text_completion"
+
+    def __init__(self, server: Server, rid: str, codec: TextCodec, echo: str | None) -> None:
+        super().__init__(server, rid, codec)
+        self.echo = echo
+        self.offset = len(echo) if echo else 0  # text_offset of the next token
+
+    def _logprobs(self, lps: list[TokenLogprob]) -> dict[str, Any]:
+        tokens = [self.codec.piece(lp.token_id) for lp in lps]
+        offsets = []
+        for t in tokens:
+            offsets.append(self.offset)
+            self.offset += len(t)
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
+                "top_logprobs": [{self.codec.piece(t): v for t, v in lp.top} for lp in lps],
+                "text_offset": offsets}
+
+    def _choice(self, text: str, lps: list[TokenLogprob] | None, reason: str | None) -> dict[str, Any]:
+        return {"index": 0, "text": text, "logprobs": self._logprobs(lps) if lps is not None else None,
+                "finish_reason": reason}
+
+    def start(self) -> list[dict[str, Any]]:
+        if not self.echo:
+            return []
+        return [self.envelope(self.chunk_object, [self._choice(self.echo, None, None)])]
+
+    def chunk(self, out: RequestOutput, logprobs: bool) -> dict[str, Any] | None:
+        lps = (out.new_logprobs or []) if logprobs else None
+        if not out.new_text and not out.finished and not lps:
+            return None
+        return self.envelope(self.chunk_object, [self._choice(out.new_text, lps, out.finish_reason)])
+
+    def response(self, out: RequestOutput, lps: list[TokenLogprob] | None) -> dict[str, Any]:
+        text = (self.echo or "") + out.text
+        return {**self.envelope("text_completion", [self._choice(text, lps, out.finish_reason)]),
+                "usage": self.usage(out)}
+
+
+class _ChatFormat(_Format):
+    chunk_object = "chat.completion.chunk"
+
+    def _logprobs(self, lps: list[TokenLogprob]) -> dict[str, Any]:
+        def entry(tid: int, value: float) -> dict[str, Any]:
+            piece = self.codec.piece(tid)
+            return {"token": piece, "logprob": value, "bytes": list(piece.encode("utf-8"))}
+
+        return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                            for lp in lps]}
+
+    def start(self) -> list[dict[str, Any]]:
+        return [self.envelope(self.chunk_object, [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                   "logprobs": None, "finish_reason": None}])]
+
+    def chunk(self, out: RequestOutput, logprobs: bool) -> dict[str, Any] | None:
+        lps = (out.new_logprobs or []) if logprobs else None
+        if not out.new_text and not out.finished and not lps:
+            return None
+        delta = {"content": out.new_text} if out.new_text else {}
+        return self.envelope(self.chunk_object, [{"index": 0, "delta": delta,
+                                                  "logprobs": self._logprobs(lps) if lps is not None else None,
+                                                  "finish_reason": out.finish_reason}])
+
+    def response(self, out: RequestOutput, lps: list[TokenLogprob] | None) -> dict[str, Any]:
+        choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
+                  "logprobs": self._logprobs(lps) if lps is not None else None, "finish_reason": out.finish_reason}
+        return {**self.envelope("chat.completion", [choice]), "usage": self.usage(out)}
+
+
+# --------------------------------------------------------------------------------------------
+# Entry point
+# --------------------------------------------------------------------------------------------
+
+
+async def _main(config: ServerConfig, announce: Callable[[str], None]) -> int:
+    server = Server(config)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, server.begin_drain)
+    host, port = await server.start()
+    announce(f"serving {server.model_id} ({server.artifact_name} {server.artifact_version}) on "
+             f"http://{host}:{port}  (ready after verify + load + warm-up: GET {READY_PATH})")
+    async def load_and_announce() -> None:
+        announce(await server.load())
+
+    load = asyncio.create_task(load_and_announce())
+    stop = asyncio.create_task(server.stopped.wait())
+    await asyncio.wait({load, stop}, return_when=asyncio.FIRST_COMPLETED)
+    if load.done() and load.exception() is not None:
+        exc = load.exception()
+        server.state = "failed"
+        announce(f"error: could not load {config.artifact}: {exc}")
+        stop.cancel()
+        await server.shutdown()
+        return 1
+    await stop
+    announce("SIGTERM: draining in-flight requests, then exiting")
+    if not load.done():
+        load.cancel()
+    await server.shutdown()
+    announce("stopped")
+    return 0
+
+
+def serve(config: ServerConfig, announce: Callable[[str], None] = print) -> int:
+    """Run the server until SIGTERM/SIGINT; the process exit code (0 after a drain, 1 if loading failed)."""
+    try:
+        return asyncio.run(_main(config, announce))
+    except ArtifactError as exc:
+        announce(f"error: {exc}")
+        return 1
