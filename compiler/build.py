@@ -47,12 +47,22 @@ class Plan:
     estimates: dict[str, int] = field(default_factory=dict)
 
 
-def _estimates(recipe: Recipe, info: CheckpointInfo) -> dict[str, int]:
+def _estimates(recipe: Recipe, info: CheckpointInfo, passes: list[Pass] | None = None) -> dict[str, int]:
     cfg = info.config
     rt = recipe.runtime
     nbytes = _DTYPE_BYTES[recipe.target.dtype]
     weights = info.num_parameters * nbytes
-    kv = 2 * cfg.num_layers * rt.num_kv_blocks * rt.kv_block_size * cfg.num_kv_heads * cfg.head_dim * nbytes
+    sizers = [ps for ps in passes or [] if hasattr(ps, "estimated_bytes")]
+    if sizers:  # quantized weights: what the quantize pass stores for each tensor
+        from compiler.quant.state import module_of
+
+        weights = 0
+        for name, (_dtype, shape) in info.tensors.items():
+            module, kind = module_of(name, shape)
+            stored = next((b for ps in sizers if (b := ps.estimated_bytes(module, shape, kind)) is not None), None)
+            weights += stored if stored is not None else math.prod(shape) * nbytes
+    kv_elem = next((ps.kv_bytes_per_element() for ps in passes or [] if hasattr(ps, "kv_bytes_per_element")), nbytes)
+    kv = 2 * cfg.num_layers * rt.num_kv_blocks * rt.kv_block_size * cfg.num_kv_heads * cfg.head_dim * kv_elem
     # Peak activations of one step at the scheduler's limits: the per-token gather of past K/V and
     # the attention scores of one layer dominate (see docs/architecture.md, "Attention").
     t = rt.max_num_batched_tokens
@@ -100,7 +110,34 @@ def plan(recipe_path: str | Path) -> Plan:
         passes.append(cls(cls.Config(**spec.options)))
     if "package" not in seen:
         raise recipe.error("passes", "the pass list must end with 'package' (nothing would be written)")
-    return Plan(recipe, info, passes, _estimates(recipe, info))
+    _check_quantization_order(recipe)
+    for i, ps in enumerate(passes):
+        needs = getattr(ps, "needs_calibration", None)
+        if needs is not None and needs() and recipe.calibration is None:
+            raise recipe.error(f"passes[{i}].name", f"pass {ps.name!r} needs calibration data: add a 'calibration:' "
+                               "section (data: a local .txt or .jsonl file; num_samples, seq_len, seed)")
+    return Plan(recipe, info, passes, _estimates(recipe, info, passes))
+
+
+def _check_quantization_order(recipe: Recipe) -> None:
+    """Quantize passes change the weights lower_onnx lowers and need lower_quant after it to be stored
+    quantized; one weight quantization method per recipe."""
+    names = [spec.name for spec in recipe.passes]
+    kinds: dict[str, str] = {}
+    for i, name in enumerate(names):
+        kind = getattr(PASSES[name], "quant_kind", None)
+        if kind is None:
+            continue
+        if kind in kinds:
+            raise recipe.error(f"passes[{i}].name", f"pass {name!r} quantizes the {kind.replace('_', ' ')} "
+                               f"that {kinds[kind]!r} already quantizes; use one of them")
+        kinds[kind] = name
+        if "lower_onnx" in names[:i]:
+            raise recipe.error(f"passes[{i}].name", f"pass {name!r} must come before lower_onnx "
+                               "(it changes the weights that are lowered)")
+        if "lower_quant" not in names[i + 1:]:
+            raise recipe.error(f"passes[{i}].name", f"pass {name!r} needs 'lower_quant' later in the list "
+                               "(after lower_onnx), or the artifact would hold float weights")
 
 
 def _tool_versions() -> dict[str, str]:
@@ -129,15 +166,23 @@ class QualityGateError(BuildError):
 
 
 def quality_gate(ctx: BuildContext) -> dict[str, Any]:
-    """Evaluate the staged artifact on the recipe's held-out text; raise when a bound is missed."""
+    """Evaluate the staged artifact on the recipe's held-out text; raise when a bound is missed.
+
+    Perplexity of the artifact (through the runtime); against the unoptimised model definition
+    (torch, fp32, before any quantize pass) on the same chunks: its perplexity, the mean KL divergence
+    of the next-token distributions, and greedy-token agreement over fixed prompts, decoded step by
+    step through the runtime's KV cache along the unoptimised model's greedy continuation.
+    """
     q = ctx.recipe.quality
     if q.eval_data is None:
         return {"evaluated": False, "reason": "the recipe names no quality.eval_data"}
     from runtime.engine import LLMEngine
-    from runtime.evaluate import text_perplexity
 
     engine = LLMEngine(ctx.staging, verify=True)
-    result = text_perplexity(engine, q.eval_data, max_tokens=q.max_eval_tokens)
+    reference = ctx.artifacts.get("reference_model", ctx.artifacts.get("model"))
+    ids = engine.tokenizer.encode(Path(q.eval_data).read_text(encoding="utf-8"), add_special_tokens=False)
+    compare = _Comparison(engine.backend, reference)
+    result = compare.perplexity(ids, q.max_eval_tokens)
     metrics: dict[str, Any] = {
         "eval_data": ctx.recipe.as_dict().get("quality", {}).get("eval_data"),
         "perplexity": _round(result.perplexity),
@@ -150,47 +195,206 @@ def quality_gate(ctx: BuildContext) -> dict[str, Any]:
     if q.max_perplexity is not None:
         bounds["max_perplexity"] = q.max_perplexity
         table.append(("perplexity", result.perplexity, q.max_perplexity, result.perplexity <= q.max_perplexity))
-    if q.max_perplexity_increase_pct is not None:
-        ref = reference_perplexity(ctx, engine.tokenizer, q.eval_data, q.max_eval_tokens)
+    if reference is not None:
+        ref = compare.reference_perplexity()
         inc = 100.0 * (result.perplexity / ref - 1.0)
-        metrics["reference_perplexity"] = _round(ref)
-        metrics["perplexity_increase_pct"] = _round(inc, 4)
-        bounds["max_perplexity_increase_pct"] = q.max_perplexity_increase_pct
-        table.append(("perplexity increase %", inc, q.max_perplexity_increase_pct,
-                      inc <= q.max_perplexity_increase_pct))
+        kl = compare.mean_kl()
+        prompts = _agreement_prompts(q, engine.tokenizer, ids)
+        agreement, decode_kl = token_agreement(engine.backend, reference, prompts, q.agreement_tokens)
+        metrics.update({
+            "reference_perplexity": _round(ref),
+            "perplexity_increase_pct": _round(inc, 4),
+            "kl_divergence": _round(kl, 4),
+            "token_agreement": _round(agreement, 6),
+            "decode_kl_divergence": _round(decode_kl, 4),
+            "agreement_prompts": len(prompts),
+            "agreement_tokens": q.agreement_tokens,
+        })
+        if q.max_perplexity_increase_pct is not None:
+            bounds["max_perplexity_increase_pct"] = q.max_perplexity_increase_pct
+            table.append(("perplexity increase %", inc, q.max_perplexity_increase_pct,
+                          inc <= q.max_perplexity_increase_pct))
+        if q.max_kl_divergence is not None:
+            bounds["max_kl_divergence"] = q.max_kl_divergence
+            table.append(("KL divergence", kl, q.max_kl_divergence, kl <= q.max_kl_divergence))
+        if q.min_token_agreement is not None:
+            bounds["min_token_agreement"] = q.min_token_agreement
+            table.append(("token agreement (min)", agreement, q.min_token_agreement,
+                          agreement >= q.min_token_agreement))
+    elif q.max_perplexity_increase_pct is not None or q.max_kl_divergence is not None \
+            or q.min_token_agreement is not None:
+        raise BuildError("quality gate: the recipe bounds a comparison with the unoptimised model, "
+                         "but no pass produced it (capture)")
     passed = all(ok for *_, ok in table)
     out = {"evaluated": True, "metrics": metrics, "bounds": bounds, "passed": passed}
     if not passed:
-        rows = "\n".join(f"  {name:<24} measured {m:10.4f}  allowed {a:10.4f}  {'ok' if ok else 'FAILED'}"
+        rows = "\n".join(f"  {name:<24} measured {_fmt(m)}  allowed {_fmt(a)}  {'ok' if ok else 'FAILED'}"
                          for name, m, a, ok in table)
         raise QualityGateError(f"quality gate failed:\n{rows}", table)
     return out
 
 
-def reference_perplexity(ctx: BuildContext, tokenizer: Any, path: Path, max_tokens: int) -> float:
-    """Perplexity of the unoptimised model definition (torch, fp32) on the same chunks."""
+def _fmt(x: float) -> str:
+    return f"{x:10.4f}" if abs(x) >= 0.01 or x == 0 else f"{x:10.6f}"
+
+
+class _Comparison:
+    """The artifact's perplexity (runtime.evaluate, through its backend) and, on the same batches, the
+    unoptimised model's (torch) next-token NLL and KL(reference || artifact) at the scored positions.
+
+    Chunks go in groups: the artifact scores a group (its logits kept), then torch scores it. Running
+    the two alternately per chunk doubled the time (ONNX Runtime's spinning threads and torch's fight
+    for the same cores)."""
+
+    def __init__(self, backend: Any, model: Any | None, group: int = 8) -> None:
+        self.backend = backend
+        self.model = model
+        self.block_size = backend.block_size
+        self.num_blocks = backend.num_blocks
+        self.group = group
+        self._batches: list[tuple[Any, Any]] = []
+        self._nll = 0.0
+        self._kl = 0.0
+        self._count = 0
+
+    def forward(self, fb: Any) -> Any:
+        logits = self.backend.forward(fb)
+        if self.model is not None:
+            self._batches.append((fb, logits))
+        return logits
+
+    def perplexity(self, ids: list[int], max_tokens: int, chunk_len: int = 256) -> Any:
+        from runtime.evaluate import PerplexityResult, chunk_tokens, perplexity
+
+        n = len(chunk_tokens(ids, chunk_len, max_tokens))
+        if n == 0:
+            raise BuildError(f"quality gate: the eval text has {len(ids)} tokens, fewer than one chunk of {chunk_len}")
+        nll, count = 0.0, 0
+        for c0 in range(0, n, self.group):
+            part = ids[c0 * chunk_len:min(n, c0 + self.group) * chunk_len]
+            r = perplexity(self, part, chunk_len)
+            nll += r.mean_nll * r.predictions
+            count += r.predictions
+            self._score_reference()
+        mean = nll / count
+        return PerplexityResult(math.exp(mean), mean, min(len(ids), max_tokens), n, count)
+
+    def _score_reference(self) -> None:
+        import numpy as np
+        import torch
+
+        for fb, logits in self._batches:
+            ref = _torch_forward(self.model, fb)
+            lp_a = torch.log_softmax(torch.from_numpy(np.asarray(logits)).double(), -1)
+            lp_r = torch.log_softmax(ref.double(), -1)
+            ids = torch.from_numpy(fb.input_ids)
+            cu = fb.cu_seqlens.tolist()
+            rows: list[int] = []
+            for b in range(len(cu) - 1):  # positions that predict a next token of the same sequence
+                rows += range(cu[b], cu[b + 1] - 1)
+            rows_t = torch.tensor(rows, dtype=torch.int64)
+            if not np.array_equal(fb.logits_index, np.arange(len(fb.input_ids))):
+                raise BuildError("quality gate: the comparison needs logits of every token")
+            self._nll -= float(lp_r[rows_t].gather(1, ids[rows_t + 1, None]).sum())
+            self._kl += float((lp_r[rows_t].exp() * (lp_r[rows_t] - lp_a[rows_t])).sum())
+            self._count += len(rows)
+        self._batches.clear()
+
+    def reference_perplexity(self) -> float:
+        return math.exp(self._nll / self._count)
+
+    def mean_kl(self) -> float:
+        return self._kl / self._count
+
+
+def _torch_forward(model: Any, fb: Any) -> Any:
+    """Logits of our model definition for a ForwardBatch without past tokens (fresh zero KV pools)."""
     import torch
 
-    from runtime.evaluate import chunk_tokens
-
-    model = ctx.require("model", "quality gate")
-    ids = tokenizer.encode(Path(path).read_text(encoding="utf-8"), add_special_tokens=False)
-    chunks = chunk_tokens(ids, 256, max_tokens)
-    model = model.float()
-    nll, count = 0.0, 0
-    bs = model.block_size
-    per_seq = -(-256 // bs)
-    kv = [torch.zeros(per_seq, bs, model.cfg.num_kv_heads, model.cfg.head_dim) for _ in range(2 * model.cfg.num_layers)]
+    if int(fb.past_lens.max(initial=0)) != 0:
+        raise BuildError("quality gate: the reference runs batches without past tokens only")
+    cfg = model.cfg
+    # no past: one zero block stands for the pool (the model reads the table only for past tokens)
+    kv = [torch.zeros(1, model.block_size, cfg.num_kv_heads, cfg.head_dim) for _ in range(2 * cfg.num_layers)]
+    table = torch.zeros(len(fb.cu_seqlens) - 1, 1, dtype=torch.int32)
     with torch.no_grad():
-        for chunk in chunks:
-            x = torch.tensor(chunk)
-            out = model(x, torch.arange(256), torch.tensor([0, 256], dtype=torch.int32),
-                        torch.zeros(1, dtype=torch.int32), torch.arange(per_seq, dtype=torch.int32)[None],
-                        torch.arange(256), *kv)
-            logp = torch.log_softmax(out[0].double(), -1)
-            nll -= float(logp[:-1].gather(1, x[1:, None]).sum())
-            count += 255
-    return math.exp(nll / count)
+        out = model(torch.from_numpy(fb.input_ids), torch.from_numpy(fb.positions), torch.from_numpy(fb.cu_seqlens),
+                    torch.from_numpy(fb.past_lens), table, torch.from_numpy(fb.logits_index), *kv)
+    return out[0]
+
+
+def _agreement_prompts(q: Any, tokenizer: Any, eval_ids: list[int], count: int = 8, length: int = 32
+                       ) -> list[list[int]]:
+    """The recipe's prompts (tokenized as the runtime does), else `count` windows of `length` tokens
+    at evenly spaced offsets of the eval text."""
+    if q.agreement_prompts:
+        return [tokenizer.encode(p) for p in q.agreement_prompts]
+    span = max(1, len(eval_ids) - length)
+    return [eval_ids[i * span // count:i * span // count + length] for i in range(count)]
+
+
+def token_agreement(backend: Any, model: Any, prompts: list[list[int]], n: int) -> tuple[float, float]:
+    """Greedy-token agreement with the unoptimised model, and the mean KL at those steps.
+
+    The reference greedily continues each prompt by n tokens (torch, recomputing the whole sequence
+    each step). The artifact prefills the prompts, then decodes one token per step through its KV
+    cache, fed the reference's tokens (teacher forcing), so every step is compared on the same
+    context; agreement = fraction of steps whose argmax equals the reference's token.
+    """
+    import numpy as np
+    import torch
+
+    from runtime.forward_batch import ForwardBatch
+
+    b = len(prompts)
+    bs = backend.block_size
+    lens = [len(p) for p in prompts]
+    per_seq = -(-(max(lens) + n) // bs)
+    if b * per_seq > backend.num_blocks:
+        raise BuildError(f"quality gate: {b} agreement prompts of up to {max(lens)} + {n} tokens need "
+                         f"{b * per_seq} KV blocks; the artifact has {backend.num_blocks}")
+    seqs = [list(p) for p in prompts]
+    ref_tokens = np.zeros((b, n), np.int64)
+    ref_logp = []
+    for step in range(n):
+        ids = np.array([t for s in seqs for t in s], np.int64)
+        cu = np.cumsum([0] + [len(s) for s in seqs]).astype(np.int32)
+        fb = ForwardBatch(input_ids=ids, positions=np.concatenate([np.arange(len(s)) for s in seqs]).astype(np.int64),
+                          cu_seqlens=cu, past_lens=np.zeros(b, np.int32), block_table=np.zeros((b, 1), np.int32),
+                          slot_mapping=np.zeros(len(ids), np.int64), logits_index=(cu[1:] - 1).astype(np.int64))
+        lp = torch.log_softmax(_torch_forward(model, fb).double(), -1)
+        ref_logp.append(lp)
+        ref_tokens[:, step] = lp.argmax(-1).numpy()
+        for i in range(b):
+            seqs[i].append(int(ref_tokens[i, step]))
+    table = np.arange(b * per_seq, dtype=np.int32).reshape(b, per_seq)
+
+    def slots(seq: int, positions: np.ndarray) -> np.ndarray:
+        return table[seq, positions // bs].astype(np.int64) * bs + positions % bs
+
+    agree, kl = 0, 0.0
+    for step in range(n):
+        if step == 0:
+            ids = np.array([t for p in prompts for t in p], np.int64)
+            pos = [np.arange(ln, dtype=np.int64) for ln in lens]
+            cu = np.cumsum([0] + lens).astype(np.int32)
+            past = np.zeros(b, np.int32)
+            index = (cu[1:] - 1).astype(np.int64)
+        else:
+            ids = ref_tokens[:, step - 1].copy()
+            pos = [np.array([ln + step - 1], np.int64) for ln in lens]
+            cu = np.arange(b + 1, dtype=np.int32)
+            past = np.array([ln + step - 1 for ln in lens], np.int32)
+            index = np.arange(b, dtype=np.int64)
+        fb = ForwardBatch(input_ids=ids, positions=np.concatenate(pos), cu_seqlens=cu, past_lens=past,
+                          block_table=table, slot_mapping=np.concatenate([slots(i, p) for i, p in enumerate(pos)]),
+                          logits_index=index)
+        logits = backend.forward(fb)
+        agree += int((np.argmax(logits, axis=-1) == ref_tokens[:, step]).sum())
+        lp_a = torch.log_softmax(torch.from_numpy(np.asarray(logits)).double(), -1)
+        lp_r = ref_logp[step]
+        kl += float((lp_r.exp() * (lp_r - lp_a)).sum())
+    return agree / (b * n), kl / (b * n)
 
 
 def build(recipe_path: str | Path, progress: bool = True, output: str | Path | None = None) -> Path:
@@ -219,6 +423,7 @@ def build(recipe_path: str | Path, progress: bool = True, output: str | Path | N
         pass_records = []
         with _progress(progress) as bar:
             task = bar.add_task("build", total=len(p.passes) + 1) if bar else None
+            ctx.artifacts["progress"] = bar  # passes with long loops add a task of their own (None: off)
             for ps in p.passes:
                 if bar:
                     bar.update(task, description=f"pass {ps.name}")
@@ -285,7 +490,7 @@ def _manifest(ctx: BuildContext, src_sha: str, pass_records: list[dict[str, Any]
         },
         "recipe": {"text": recipe.text, "sha256": recipe.sha256, "parsed": recipe.as_dict()},
         "target": {"backend": recipe.target.backend, "device": recipe.target.device, "dtype": recipe.target.dtype,
-                   "kv_cache_dtype": recipe.target.dtype},
+                   "kv_cache_dtype": ctx.artifacts.get("kv_cache_dtype", recipe.target.dtype)},
         "passes": pass_records,
         "kernels": {"attention": ATTENTION_KERNEL},
         "cuda_graphs": {"applies": False, "reason": f"{recipe.target.device} target: no CUDA graphs"},

@@ -33,6 +33,7 @@ from jsonschema.exceptions import best_match
 
 __all__ = [
     "SCHEMA_PATH",
+    "CalibrationSpec",
     "PassSpec",
     "QualitySpec",
     "Recipe",
@@ -47,6 +48,8 @@ log = logging.getLogger(__name__)
 SCHEMA_PATH = Path(__file__).resolve().parents[1] / "recipes" / "recipe.schema.json"
 DEFAULT_OUTPUT = "artifacts"
 DEFAULT_MAX_EVAL_TOKENS = 8192
+DEFAULT_AGREEMENT_PROMPTS = 8
+DEFAULT_AGREEMENT_TOKENS = 32
 
 _STR_TAG = "tag:yaml.org,2002:str"
 _PATTERN_HINTS = {
@@ -108,6 +111,21 @@ class QualitySpec:
     max_eval_tokens: int = DEFAULT_MAX_EVAL_TOKENS
     max_perplexity: float | None = None
     max_perplexity_increase_pct: float | None = None
+    max_kl_divergence: float | None = None  # mean KL(unoptimised || artifact) per next-token distribution, nats
+    min_token_agreement: float | None = None  # fraction of greedy tokens equal to the unoptimised model's
+    agreement_prompts: tuple[str, ...] = ()  # empty: fixed windows of eval_data
+    agreement_tokens: int = DEFAULT_AGREEMENT_TOKENS
+
+
+@dataclass(frozen=True)
+class CalibrationSpec:
+    """Calibration text for the quantization passes: token windows drawn deterministically from `data`."""
+
+    data: Path  # .txt (the whole file is one text) or .jsonl (one JSON object per line, `text_field`)
+    text_field: str = "text"
+    num_samples: int = 32
+    seq_len: int = 256
+    seed: int = 0
 
 
 @dataclass(frozen=True)
@@ -127,6 +145,7 @@ class Recipe:
     output: Path
     lines: dict[str, int] = field(repr=False)  # dotted field path -> 1-based line; "" is the document
     _data: dict[str, Any] = field(repr=False, compare=False)
+    calibration: CalibrationSpec | None = None
 
     def error(self, field: str, message: str) -> RecipeError:
         """An error located at ``field``'s line (or its nearest enclosing field's line)."""
@@ -200,7 +219,20 @@ def load_recipe(path: str | Path, pass_options: Mapping[str, type | None] | None
         max_eval_tokens=q.get("max_eval_tokens", DEFAULT_MAX_EVAL_TOKENS),
         max_perplexity=_opt_float(q.get("max_perplexity")),
         max_perplexity_increase_pct=_opt_float(q.get("max_perplexity_increase_pct")),
+        max_kl_divergence=_opt_float(q.get("max_kl_divergence")),
+        min_token_agreement=_opt_float(q.get("min_token_agreement")),
+        agreement_prompts=tuple(q.get("agreement_prompts", ())),
+        agreement_tokens=q.get("agreement_tokens", DEFAULT_AGREEMENT_TOKENS),
     )
+
+    calibration = None
+    if "calibration" in data:
+        c = data["calibration"]
+        calib_data = _resolve(base, c["data"])
+        if not calib_data.is_file():
+            what = "is not a file" if calib_data.exists() else "not found"
+            raise err("calibration.data", f"calibration data file {what}: {calib_data}")
+        calibration = CalibrationSpec(data=calib_data, **{k: v for k, v in c.items() if k != "data"})
 
     output = _resolve(base, data["output"]) if "output" in data else Path(DEFAULT_OUTPUT).resolve()
 
@@ -214,6 +246,9 @@ def load_recipe(path: str | Path, pass_options: Mapping[str, type | None] | None
         "quality": {"max_eval_tokens": quality.max_eval_tokens, **q},
         "output": data.get("output", DEFAULT_OUTPUT),
     }
+    if calibration is not None:
+        normalized["calibration"] = {**{f.name: getattr(calibration, f.name) for f in dataclasses.fields(calibration)},
+                                     "data": data["calibration"]["data"]}
     recipe = Recipe(
         path=path,
         text=text,
@@ -228,6 +263,7 @@ def load_recipe(path: str | Path, pass_options: Mapping[str, type | None] | None
         output=output,
         lines=lines,
         _data=copy.deepcopy(normalized),
+        calibration=calibration,
     )
     log.debug("loaded recipe %s: %s %s, %d passes", file, recipe.name, recipe.version, len(passes))
     return recipe

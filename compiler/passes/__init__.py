@@ -5,15 +5,28 @@ from __future__ import annotations
 from compiler.passes.base import BuildContext, BuildError, Pass
 from compiler.passes.capture import CapturePass
 from compiler.passes.lower_onnx import LowerOnnxPass
+from compiler.passes.lower_quant import LowerQuantPass
 from compiler.passes.package import PackagePass
+from compiler.passes.quantize_awq import QuantizeAwqPass
+from compiler.passes.quantize_fp8 import QuantizeFp8Pass
+from compiler.passes.quantize_gptq import QuantizeGptqPass
+from compiler.passes.quantize_kv_cache import QuantizeKvCachePass
+from compiler.passes.quantize_rtn import QuantizeRtnPass
 
 PASSES: dict[str, type[Pass]] = {
     p.name: p
     for p in (
         # capture
         CapturePass,
+        # quantization (after capture, before lower_onnx; lower_quant writes the quantized form)
+        QuantizeRtnPass,
+        QuantizeAwqPass,
+        QuantizeGptqPass,
+        QuantizeFp8Pass,
+        QuantizeKvCachePass,
         # lowering
         LowerOnnxPass,
+        LowerQuantPass,
         # packaging
         PackagePass,
     )

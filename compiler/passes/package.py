@@ -39,7 +39,7 @@ def runtime_config(ctx: BuildContext) -> dict[str, Any]:
         "kv_cache": {
             "block_size": rt.kv_block_size,
             "num_blocks": rt.num_kv_blocks,
-            "dtype": ctx.recipe.target.dtype,
+            "dtype": ctx.artifacts.get("kv_cache_dtype", ctx.recipe.target.dtype),  # set by lower_quant
         },
         "scheduler": {
             "max_num_seqs": rt.max_num_seqs,

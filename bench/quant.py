@@ -1,0 +1,140 @@
+"""Quantization methods on the demo model: quality, size, build time and decode speed, side by side.
+
+Builds (or reuses, with --reuse) the demo recipe and each quantization recipe into one output folder,
+then for each artifact reads the quality gate's numbers from its manifest (perplexity on eval.txt,
+change vs. the unquantized model, mean KL, greedy-token agreement), the bytes of the quantized
+Linear weights (with scales and zero points) against their fp32 bytes, the build time from
+build.json, and measures decode tokens/s on ONNX Runtime CPU with `runtime.LLM`: 8 prompts x 64
+greedy tokens; decode rate = 8 x 63 / (time of 64 tokens - time of 1 token), median of --rounds,
+the rounds alternating between artifacts (as bench/decode_throughput.py does).
+Prints a table and writes JSON (bench/results/quant.json by default).
+
+    python bench/quant.py [--out /tmp/quant-bench] [--reuse] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = {
+    "fp32 (demo)": "demo.yaml",
+    "int4 rtn": "demo-int4-rtn.yaml",
+    "int4 awq": "demo-int4-awq.yaml",
+    "int4 gptq": "demo-int4-gptq.yaml",
+    "fp8 w+a": "demo-fp8.yaml",
+    "kv int8": "demo-kv-int8.yaml",
+}
+PROMPTS = [
+    "def fibonacci(n):\n    if",
+    "import os\nimport sys\n\n\nclass Config:\n",
+    '"""Utilities for reading files."""\n',
+    "for i in range(10):\n",
+    "    def __repr__(self):\n        return",
+    "try:\n    import _thread\nexcept ImportError:\n",
+    "x = ",
+    "class Error(Exception):\n",
+]
+
+
+def weight_bytes(artifact: Path) -> tuple[int, int]:
+    """(bytes of the quantized Linear weights incl. scales/zeros, their fp32 bytes) from the manifest."""
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    for p in manifest["passes"]:
+        if p["name"] == "lower_quant" and p.get("status") == "applied" and p["stats"].get("quantized_weights"):
+            return p["stats"]["quantized_weight_bytes"], p["stats"]["quantized_weight_fp32_bytes"]
+    return 0, 0
+
+
+def decode_rates(artifacts: dict[str, Path], rounds: int) -> dict[str, float]:
+    """Decode tokens/s of each artifact; rounds alternate between artifacts so machine noise hits all alike."""
+    from runtime import LLM
+    from runtime.sampling import SamplingParams
+
+    llms = {k: LLM(a) for k, a in artifacts.items()}
+
+    def run(llm: object, n: int) -> float:
+        t = time.perf_counter()
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))  # type: ignore[attr-defined]
+        dt = time.perf_counter() - t
+        assert all(len(o.token_ids) == n for o in outs)
+        return dt
+
+    for llm in llms.values():
+        run(llm, 4)  # warm-up
+    rates: dict[str, list[float]] = {k: [] for k in llms}
+    for _ in range(rounds):
+        for k, llm in llms.items():
+            long, short = run(llm, 64), run(llm, 1)
+            rates[k].append(len(PROMPTS) * 63 / max(long - short, 1e-9))
+    return {k: statistics.median(v) for k, v in rates.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path("/tmp/optimize-quant-bench"))
+    ap.add_argument("--reuse", action="store_true", help="reuse artifacts already built under --out")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--only", nargs="*", help="methods to run (names as in the table)")
+    ap.add_argument("--json", type=Path, default=ROOT / "bench/results/quant.json")
+    args = ap.parse_args()
+
+    from compiler.build import build, plan
+
+    rows = []
+    artifacts: dict[str, Path] = {}
+    for method, recipe_file in RECIPES.items():
+        if args.only and method not in args.only:
+            continue
+        recipe = ROOT / "recipes" / recipe_file
+        p = plan(recipe)
+        artifact = args.out / p.recipe.name / p.recipe.version
+        if not (args.reuse and (artifact / "manifest.json").is_file()):
+            artifact = build(recipe, progress=False, output=args.out)
+        manifest = json.loads((artifact / "manifest.json").read_text())
+        metrics = manifest["quality"]["metrics"]
+        timings = json.loads((artifact / "build.json").read_text())["timings_s"]
+        q, f = weight_bytes(artifact)
+        row = {
+            "method": method,
+            "recipe": f"recipes/{recipe_file}",
+            "perplexity": metrics["perplexity"],
+            "reference_perplexity": metrics["reference_perplexity"],
+            "perplexity_increase_pct": metrics["perplexity_increase_pct"],
+            "kl_divergence": metrics["kl_divergence"],
+            "token_agreement": metrics["token_agreement"],
+            "decode_kl_divergence": metrics["decode_kl_divergence"],
+            "quantized_weight_bytes": q,
+            "fp32_weight_bytes": f,
+            "artifact_weights_bytes": (artifact / "model.onnx.data").stat().st_size,
+            "build_s": timings["total"],
+            "quantize_s": sum(v for k, v in timings.items() if k.startswith("pass.quantize_")),
+        }
+        rows.append(row)
+        artifacts[method] = artifact
+        print(f"{method}: built", flush=True)
+    rates = decode_rates(artifacts, args.rounds)
+    for row in rows:
+        row["decode_tokens_per_s"] = round(rates[row["method"]], 1)
+
+    head = (f"{'method':<12} {'ppl':>8} {'vs fp32':>8} {'KL':>8} {'agree':>6} {'quant W / fp32':>16} "
+            f"{'file MB':>8} {'build s':>8} {'quant s':>8} {'decode tok/s':>12}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        size = f"{r['quantized_weight_bytes'] / r['fp32_weight_bytes']:.1%}" if r["fp32_weight_bytes"] else "-"
+        print(f"{r['method']:<12} {r['perplexity']:8.4f} {r['perplexity_increase_pct']:+7.3f}% "
+              f"{r['kl_divergence']:8.5f} {r['token_agreement']:6.3f} {size:>16} "
+              f"{r['artifact_weights_bytes'] / 1e6:8.2f} {r['build_s']:8.1f} {r['quantize_s']:8.1f} "
+              f"{r['decode_tokens_per_s']:12.1f}")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({"rows": rows, "prompts": len(PROMPTS), "tokens": 64}, indent=2) + "\n")
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+"""Lowering of quantization: write the quantize_* passes' tensors into the ONNX graph.
+
+Runs after lower_onnx. Every quantized weight initializer becomes DequantizeLinear from its stored
+form (the portable QDQ IR: blocked uint4 with zero points for INT4, float8e4m3fn for FP8); FP8
+activations get QuantizeLinear/DequantizeLinear before their Gemm; a quantized KV cache changes
+the pool inputs and new K/V outputs to int8 / E4M3. For ONNX Runtime, `int4_format: matmulnbits`
+(the default) then rewrites each DQ(uint4) + Gemm into com.microsoft.MatMulNBits. The rewrites
+and their counts are in compiler/quant/onnx_rules.py; the pass ends with onnx.checker (full).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+import numpy as np
+
+from compiler.passes.base import BuildContext, BuildError, Pass
+from compiler.quant.int4 import Int4Weight
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LowerQuantOptions:
+    int4_format: Literal["matmulnbits", "qdq"] = "matmulnbits"  # qdq: keep DequantizeLinear + Gemm
+    accuracy_level: int = 0  # MatMulNBits: 0 = float32 compute; 4 = int8 compute of activations (faster)
+
+    def __post_init__(self) -> None:
+        if self.accuracy_level not in (0, 1, 2, 3, 4):
+            raise ValueError(f"accuracy_level must be 0..4, got {self.accuracy_level}")
+
+
+def _initializer_bytes(model: Any, names: set[str]) -> int:
+    return sum(len(t.raw_data) if t.raw_data else int(np.prod(t.dims)) * 4 for t in model.graph.initializer
+               if t.name in names)
+
+
+class LowerQuantPass(Pass):
+    """Write quantized weights, activations and KV cache into the ONNX graph (QDQ, MatMulNBits)."""
+
+    name: ClassVar[str] = "lower_quant"
+    Config = LowerQuantOptions
+    requires = ("lower_onnx",)
+    summary = "quantized tensors -> DequantizeLinear (QDQ IR) / MatMulNBits, FP8 activation Q/DQ, KV-cache Q/DQ"
+
+    def skip_reason(self, ctx: BuildContext) -> str | None:
+        st = ctx.artifacts.get("quant")
+        if st is None or (not st.weights and st.kv_cache is None):
+            return "no quantize pass ran before it: nothing to lower"
+        return None
+
+    def run(self, ctx: BuildContext) -> dict[str, Any]:
+        import onnx
+        import torch
+
+        from compiler.quant import onnx_rules as R
+
+        model = ctx.require("onnx", self.name)
+        st = ctx.artifacts["quant"]
+        cfg = ctx.checkpoint.config
+        g = R.Graph(model)
+        stats: dict[str, Any] = {}
+        if any(isinstance(q.data, Int4Weight) for q in st.weights.values()):
+            stats["int4_format"] = self.config.int4_format
+
+        # 1. the float initializers must hold the torch model's (quantized, AWQ-scaled) values
+        synced = 0
+        torch_model = ctx.require("model", self.name)
+        for pname, p in torch_model.named_parameters():
+            init = g.inits.get(pname)
+            value = p.detach().to(torch.float32).contiguous().numpy()
+            if init is None or tuple(init.dims) != value.shape:
+                ref = ctx.artifacts.get("reference_model")
+                if ref is not None and not torch.equal(ref.get_parameter(pname), p) and pname not in st.weights:
+                    raise BuildError(f"lower_quant: parameter {pname} was changed by quantization but the lowered "
+                                     "graph has no initializer of that name and shape")
+                continue
+            if onnx.numpy_helper.to_array(init).tobytes() != value.tobytes():
+                g.inits[pname] = onnx.numpy_helper.from_array(value, pname)
+                synced += 1
+        stats["initializers_synced"] = synced
+
+        # 2. weights -> DequantizeLinear
+        fp32_bytes = sum(int(np.prod(q.data.shape)) * 4 for q in st.weights.values())
+        to_qdq, act = R.WeightToQdq(), R.ActivationQdq()
+        misses: dict[str, str] = {}
+        dq_nodes: dict[str, Any] = {}
+        for name, q in sorted(st.weights.items()):
+            reason = to_qdq.check(g, q)
+            if reason:
+                misses[name] = reason
+                continue
+            dq_nodes[name] = to_qdq.rewrite(g, q)
+        dq_out = {name: node.output[0] for name, node in dq_nodes.items()}
+        if misses:
+            raise BuildError("lower_quant: quantized weights that cannot be lowered:\n  " +
+                             "\n  ".join(f"{k}: {v}" for k, v in misses.items()))
+
+        # 3. FP8 activations
+        shared: dict[tuple[str, float], str] = {}
+        act_pairs = 0
+        for name, q in sorted(st.weights.items()):
+            if q.act_mode == "none" or q.kind != "linear":
+                continue
+            reason = act.check(g, q, dq_out[name])
+            if reason:
+                raise BuildError(f"lower_quant: {name}: {reason}")
+            act_pairs += act.rewrite(g, q, dq_out[name], shared)
+        if act_pairs:
+            stats["activation_qdq_pairs"] = act_pairs
+
+        # 4. INT4 DQ + Gemm -> MatMulNBits
+        int4 = {dq_nodes[n].input[0]: q.data for n, q in st.weights.items() if isinstance(q.data, Int4Weight)}
+        if int4 and self.config.int4_format == "matmulnbits":
+            rule = R.DqGemmToMatMulNBits()
+            fired, not_fused = 0, {}
+            for name in sorted(st.weights):
+                dq = dq_nodes[name]
+                if dq.input[0] not in int4:
+                    continue
+                reason = rule.check(g, dq)
+                if reason:
+                    not_fused[name] = reason
+                    continue
+                fired += rule.rewrite(g, dq, int4, self.config.accuracy_level)
+            stats["matmulnbits_fused"] = fired
+            if not_fused:
+                stats["matmulnbits_not_fused"] = dict(sorted(not_fused.items()))
+            if fired and not any(o.domain == R.MS_DOMAIN for o in model.opset_import):
+                model.opset_import.append(onnx.helper.make_opsetid(R.MS_DOMAIN, 1))
+
+        # 5. KV cache
+        kv = st.kv_cache
+        if kv is not None:
+            rule = R.KvCacheQdq(kv)
+            in_type, out_type = rule.onnx_dtypes()
+            inputs: set[str] = set()
+            outputs: set[str] = set()
+            for i in range(cfg.num_layers):
+                for kind, scales in (("key", kv.k_scales[i]), ("value", kv.v_scales[i])):
+                    name = f"{kind}_cache.{i}"
+                    reason = rule.check_input(g, name, cfg.head_dim)
+                    if reason:
+                        raise BuildError(f"lower_quant: KV cache: {reason}")
+                    rule.rewrite_input(g, name, scales)
+                    rule.rewrite_output(g, f"new_{kind}.{i}", scales)
+                    inputs.add(name)
+                    outputs.add(f"new_{kind}.{i}")
+            R.set_elem_type(model.graph.input, inputs, in_type)
+            R.set_elem_type(model.graph.output, outputs, out_type)
+            stats["kv_cache"] = {"dtype": kv.dtype, "pool_storage": "int8" if kv.dtype == "int8" else "uint8 (E4M3 bits)",
+                                 "layers": cfg.num_layers}
+            ctx.artifacts["kv_cache_dtype"] = kv.dtype
+
+        g.commit()
+        try:
+            onnx.checker.check_model(model, full_check=True)
+        except Exception as e:
+            raise BuildError(f"lower_quant: the rewritten graph fails onnx.checker: {str(e).splitlines()[0]}") from e
+        new_names = {t.name for t in model.graph.initializer if any(t.name.startswith(f"{n}_") for n in st.weights)}
+        q_bytes = _initializer_bytes(model, new_names)
+        ops = Counter(n.op_type for n in model.graph.node)
+        if st.weights:
+            stats.update({
+                "quantized_weights": len(st.weights),
+                "quantized_weight_bytes": q_bytes,
+                "quantized_weight_fp32_bytes": fp32_bytes,
+                "quantized_weight_ratio": round(q_bytes / fp32_bytes, 6),
+            })
+        stats.update({
+            "op_counts": {k: ops[k] for k in sorted(ops) if k in (
+                "MatMulNBits", "DequantizeLinear", "QuantizeLinear", "Gemm", "MatMul", "Gather")},
+            "nodes": sum(ops.values()),
+        })
+        return stats

@@ -1,0 +1,168 @@
+"""INT4 AWQ: activation-aware per-channel scaling plus weight clipping, searched on calibration data.
+
+Layer by layer over the recipe's calibration windows (compiler/quant/calibration.py): capture each
+Linear's input, search and fold the scales of each input-sharing group, search the clipping range
+of each Linear but q/k, then round to nearest with those ranges (compiler/quant/awq.py). The next
+layer's input is the unquantized layer's output, as in AutoAWQ.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from torch import nn
+
+from compiler.passes.base import BuildContext, Pass
+from compiler.passes.quantize_rtn import check_group_size
+from compiler.quant import awq, int4
+from compiler.quant.calibration import LayerRunner, load_calibration
+from compiler.quant.state import (
+    QuantizedWeight,
+    begin,
+    int4_bytes,
+    matches,
+    progress_done,
+    progress_task,
+    quant_state,
+    skipped_modules,
+    stats_for,
+    target_linears,
+    write_weight,
+)
+
+log = logging.getLogger(__name__)
+
+# Input-sharing groups of a Llama-family decoder layer: (name, op before, consumers, measured block).
+# The block is "attention", "mlp" or a Linear measured on its own.
+LLAMA_SCALE_GROUPS: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
+    ("qkv", "input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "attention"),
+    ("o", "self_attn.v_proj", ("self_attn.o_proj",), "self_attn.o_proj"),
+    ("gate_up", "post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), "mlp"),
+    ("down", "mlp.up_proj", ("mlp.down_proj",), "mlp.down_proj"),
+)
+
+
+@dataclass(frozen=True)
+class AwqOptions:
+    group_size: int = 128
+    n_grid: int = 20  # scale ratios tried: i / n_grid for i < n_grid
+    duo_scaling: bool = True  # s = x_mean^a / w_mean^(1-a) (else x_mean^a)
+    clip: bool = True  # the weight-clipping search
+    max_shrink: float = 0.5  # clipping tries max|w| * (1 - i/n_grid) for i < max_shrink * n_grid
+    clip_tokens: int = 512  # calibration tokens of the clipping search (evenly spaced)
+    # Linears left unclipped (name patterns); q/k by default: the attention softmax amplifies their errors
+    clip_skip: list[str] = field(default_factory=lambda: ["q_proj", "k_proj"])
+    ignore: list[str] = field(default_factory=lambda: ["lm_head"])
+
+    def __post_init__(self) -> None:
+        check_group_size(self.group_size)
+        if self.n_grid < 1 or not 0 <= self.max_shrink < 1 or self.clip_tokens < 1:
+            raise ValueError("n_grid and clip_tokens must be >= 1 and max_shrink in [0, 1)")
+
+
+class QuantizeAwqPass(Pass):
+    """INT4 weight-only AWQ: activation-aware scale search and clipping search, then round to nearest."""
+
+    name: ClassVar[str] = "quantize_awq"
+    Config = AwqOptions
+    requires = ("capture",)
+    summary = "INT4 weight-only AWQ (scale + clip search on calibration data), asymmetric, per group"
+    quant_kind: ClassVar[str] = "weights"
+
+    def estimated_bytes(self, module: str, shape: tuple[int, ...], kind: str | None) -> int | None:
+        """Stored bytes of a checkpoint tensor after this pass (None: left as it is), for the dry run."""
+        if kind != "linear" or matches(module, self.config.ignore):
+            return None
+        return int4_bytes(shape, self.config.group_size)
+
+    def needs_calibration(self) -> bool:
+        return True
+
+    def run(self, ctx: BuildContext) -> dict[str, Any]:
+        c = self.config
+        model = begin(ctx, self.name)
+        st = quant_state(ctx)
+        targets = target_linears(model, c.ignore)
+        cal = load_calibration(ctx, self.name)
+        runner = LayerRunner(model, cal.samples)
+        bar, task = progress_task(ctx, "awq", len(model.layers))
+        ratios: dict[str, float] = {}
+        skipped_groups: dict[str, str] = {}
+        clipped = 0
+        for i, layer in enumerate(model.layers):
+            prefix = f"layers.{i}"
+            mods = {n: m for n, m in layer.named_modules() if n in {x for g in LLAMA_SCALE_GROUPS for x in g[2]}}
+            inputs = runner.capture(i, {g[2][0]: mods[g[2][0]] for g in LLAMA_SCALE_GROUPS})
+            next_hidden = runner.outputs(i)  # the unquantized layer's output feeds the next layer
+            for gname, prev_name, consumers, block_name in LLAMA_SCALE_GROUPS:
+                linears = [mods[n] for n in consumers]
+                prev = layer.get_submodule(prev_name)
+                tie = None
+                if isinstance(prev, nn.Linear) and prev.out_features != linears[0].in_features:
+                    tie = self._gqa_tie(layer, prev_name, consumers[0])
+                    if tie is None:
+                        skipped_groups[f"{prefix}.{gname}"] = (
+                            f"no scaling: {prev_name} has {prev.out_features} outputs, {consumers[0]} "
+                            f"{linears[0].in_features} inputs")
+                        continue
+                quantize = [f"{prefix}.{n}" in targets for n in consumers]
+                if not any(quantize):
+                    continue
+                group = awq.ScaleGroup(f"{prefix}.{gname}", prev, linears, quantize, inputs[consumers[0]],
+                                       self._block(runner, layer, block_name), tie)
+                s, ratio, _ = awq.search_scale(group, c.group_size, c.n_grid, c.duo_scaling)
+                awq.apply_scale(group, s)
+                ratios[group.name] = ratio
+            for _gname, _prev, consumers, _block in LLAMA_SCALE_GROUPS:
+                for n in consumers:
+                    full = f"{prefix}.{n}"
+                    if full not in targets:
+                        continue
+                    lin = mods[n]
+                    max_val = None
+                    if c.clip and not matches(full, c.clip_skip):
+                        max_val = awq.search_clip(lin.weight, inputs[consumers[0]], c.group_size, c.n_grid,
+                                                  c.max_shrink, c.clip_tokens)
+                        clipped += 1
+                    q = int4.quantize_rtn(lin.weight, c.group_size, max_val)
+                    write_weight(lin, q.dequantize())
+                    st.weights[f"{full}.weight"] = QuantizedWeight(f"{full}.weight", "awq", q)
+            runner.hidden = next_hidden
+            if bar is not None:
+                bar.advance(task)
+        progress_done(bar, task)
+        # Linears outside the decoder layers' groups (an un-ignored lm_head): round to nearest
+        for name, lin in targets.items():
+            if f"{name}.weight" not in st.weights:
+                q = int4.quantize_rtn(lin.weight, c.group_size)
+                write_weight(lin, q.dequantize())
+                st.weights[f"{name}.weight"] = QuantizedWeight(f"{name}.weight", "rtn", q)
+        st.weight_method = self.name
+        return {"method": "awq", "bits": 4, "group_size": c.group_size, "symmetric": False,
+                "calibration": cal.record, "scale_ratios": dict(sorted(ratios.items())),
+                "scale_groups_skipped": dict(sorted(skipped_groups.items())), "clipped_linears": clipped,
+                **stats_for(st, model, skipped_modules(model, st.weights, c.ignore))}
+
+    @staticmethod
+    def _gqa_tie(layer: Any, prev_name: str, consumer: str) -> Any:
+        """v_proj -> o_proj under grouped-query attention: o's input channel (head h, dim j) comes from
+        v's output channel (h // group, j); None when the pair is not that."""
+        import torch
+
+        attn = layer.self_attn
+        if (prev_name, consumer) != ("self_attn.v_proj", "self_attn.o_proj") or attn.h % attn.kvh:
+            return None
+        h = torch.arange(attn.h * attn.d) // attn.d
+        j = torch.arange(attn.h * attn.d) % attn.d
+        return (h // (attn.h // attn.kvh)) * attn.d + j
+
+    @staticmethod
+    def _block(runner: LayerRunner, layer: Any, block: str) -> Any:
+        if block == "attention":
+            return lambda b, x: runner.attention(layer, x, b)
+        if block == "mlp":
+            return lambda b, x: layer.mlp(x)
+        lin = layer.get_submodule(block)
+        return lambda b, x: lin(x)

@@ -1,0 +1,123 @@
+"""INT4 GPTQ: Hessian-aware rounding from calibration inputs, layer by layer.
+
+For each decoder layer, in the order the layer computes (q/k/v, then o, then gate/up, then down:
+"true sequential"), the Hessian 2/n X^T X of each Linear's input is accumulated over the
+calibration windows with the earlier Linears already quantized, then GPTQ rounds the weights
+(compiler/quant/gptq.py). The next layer's input is the quantized layer's output. Memory: one
+layer's activations and one [in, in] Hessian per Linear of the current step.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from compiler.passes.base import BuildContext, BuildError, Pass
+from compiler.passes.quantize_rtn import check_group_size
+from compiler.quant import gptq, int4
+from compiler.quant.calibration import LayerRunner, load_calibration
+from compiler.quant.state import (
+    QuantizedWeight,
+    begin,
+    int4_bytes,
+    layer_linears,
+    matches,
+    progress_done,
+    progress_task,
+    quant_state,
+    skipped_modules,
+    stats_for,
+    target_linears,
+    write_weight,
+)
+
+log = logging.getLogger(__name__)
+
+# The order a Llama-family decoder layer computes its Linears in (Linears of one step share an input).
+LLAMA_SEQUENTIAL: tuple[tuple[str, ...], ...] = (
+    ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    ("self_attn.o_proj",),
+    ("mlp.gate_proj", "mlp.up_proj"),
+    ("mlp.down_proj",),
+)
+
+
+@dataclass(frozen=True)
+class GptqOptions:
+    group_size: int = 128
+    damp: float = 0.01  # dampening: damp * mean(diag H) added to the diagonal
+    act_order: bool = False  # process columns by decreasing diag H (groups stay contiguous)
+    block_size: int = 128  # columns per lazy batch update
+    true_sequential: bool = True  # Hessians of later Linears see the earlier ones quantized
+    ignore: list[str] = field(default_factory=lambda: ["lm_head"])
+
+    def __post_init__(self) -> None:
+        check_group_size(self.group_size)
+        if not 0 < self.damp < 1:
+            raise ValueError(f"damp must be in (0, 1), got {self.damp}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+
+
+class QuantizeGptqPass(Pass):
+    """INT4 weight-only GPTQ with Hessians from calibration inputs, layer by layer."""
+
+    name: ClassVar[str] = "quantize_gptq"
+    Config = GptqOptions
+    requires = ("capture",)
+    summary = "INT4 weight-only GPTQ (Hessian from calibration inputs), asymmetric, per group"
+    quant_kind: ClassVar[str] = "weights"
+
+    def estimated_bytes(self, module: str, shape: tuple[int, ...], kind: str | None) -> int | None:
+        """Stored bytes of a checkpoint tensor after this pass (None: left as it is), for the dry run."""
+        if kind != "linear" or matches(module, self.config.ignore):
+            return None
+        return int4_bytes(shape, self.config.group_size)
+
+    def needs_calibration(self) -> bool:
+        return True
+
+    def run(self, ctx: BuildContext) -> dict[str, Any]:
+        c = self.config
+        model = begin(ctx, self.name)
+        st = quant_state(ctx)
+        targets = target_linears(model, c.ignore)
+        cal = load_calibration(ctx, self.name)
+        runner = LayerRunner(model, cal.samples)
+        bar, task = progress_task(ctx, "gptq", len(model.layers))
+        losses: dict[str, float] = {}
+        for i, layer in enumerate(model.layers):
+            prefix = f"layers.{i}"
+            mine = layer_linears(layer, prefix, targets)
+            steps = [[f"{prefix}.{n}" for n in step if f"{prefix}.{n}" in mine] for step in LLAMA_SEQUENTIAL]
+            rest = [n for n in mine if not any(n in s for s in steps)]
+            steps = [s for s in steps if s] + ([rest] if rest else [])
+            if not c.true_sequential:
+                steps = [[n for s in steps for n in s]]
+            for step in steps:
+                hess = {n: gptq.Hessian(mine[n].in_features) for n in step}
+                runner.capture(i, {n: mine[n] for n in step}, sink=lambda n, x, hess=hess: hess[n].add(x))
+                for n in step:
+                    try:
+                        q, loss = gptq.gptq_quantize(mine[n].weight, hess[n].value(), c.group_size, c.damp,
+                                                     c.act_order, c.block_size)
+                    except ValueError as e:
+                        raise BuildError(f"quantize_gptq: {n}: {e}") from e
+                    write_weight(mine[n], q.dequantize())
+                    st.weights[f"{n}.weight"] = QuantizedWeight(f"{n}.weight", "gptq", q)
+                    losses[n] = loss
+            runner.advance(i)  # the quantized layer's output feeds the next layer
+            if bar is not None:
+                bar.advance(task)
+        progress_done(bar, task)
+        for name, lin in targets.items():  # Linears outside the decoder layers (an un-ignored lm_head)
+            if f"{name}.weight" not in st.weights:
+                q = int4.quantize_rtn(lin.weight, c.group_size)
+                write_weight(lin, q.dequantize())
+                st.weights[f"{name}.weight"] = QuantizedWeight(f"{name}.weight", "rtn", q)
+        st.weight_method = self.name
+        return {"method": "gptq", "bits": 4, "group_size": c.group_size, "symmetric": False,
+                "damp": c.damp, "act_order": c.act_order, "calibration": cal.record,
+                "reconstruction_loss": {k: float(f"{v:.6g}") for k, v in sorted(losses.items())},
+                **stats_for(st, model, skipped_modules(model, st.weights, c.ignore))}

@@ -1,0 +1,77 @@
+"""KV-cache quantization: INT8 or FP8 E4M3 pools with one scale per (layer, KV head) from calibration.
+
+The scales are the absolute maximum of each head's keys (after RoPE and any q/k norm: what the
+pool stores) and values over the calibration tokens, / 127 (int8, symmetric) or / 448 (E4M3),
+measured with the weights as quantized by any earlier pass. lower_quant writes the pool reads
+(dequantize per head after the row gather) and the new K/V outputs (QuantizeLinear per head) into
+the graph; the runtime allocates its pools in the stored type (runtime.json kv_cache.dtype).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+from compiler.passes.base import BuildContext, Pass
+from compiler.quant.calibration import LayerRunner, load_calibration
+from compiler.quant.fp8 import E4M3_MAX, MIN_SCALE
+from compiler.quant.state import KvCacheQuant, begin, progress_done, progress_task, quant_state
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"int8": ("int8", 127.0), "fp8": ("float8_e4m3fn", E4M3_MAX)}
+
+
+@dataclass(frozen=True)
+class KvCacheOptions:
+    dtype: Literal["int8", "fp8"] = "int8"
+
+
+class QuantizeKvCachePass(Pass):
+    """KV cache in INT8 or FP8 E4M3 with per-head scales from calibration."""
+
+    name: ClassVar[str] = "quantize_kv_cache"
+    Config = KvCacheOptions
+    requires = ("capture",)
+    summary = "KV cache INT8 / FP8 E4M3, per-head scales from calibration"
+    quant_kind: ClassVar[str] = "kv_cache"
+
+    def kv_bytes_per_element(self) -> int:
+        return 1
+
+    def needs_calibration(self) -> bool:
+        return True
+
+    def run(self, ctx: BuildContext) -> dict[str, Any]:
+        import numpy as np
+        import torch
+
+        model = begin(ctx, self.name, weights=False)
+        st = quant_state(ctx)
+        dtype, qmax = DTYPES[self.config.dtype]
+        cal = load_calibration(ctx, self.name)
+        runner = LayerRunner(model, cal.samples)
+        cfg = model.cfg
+        k_amax = np.zeros((cfg.num_layers, cfg.num_kv_heads), np.float32)
+        v_amax = np.zeros_like(k_amax)
+        bar, task = progress_task(ctx, "kv-cache calibration", cfg.num_layers)
+        with torch.no_grad():
+            for i, layer in enumerate(model.layers):
+                for b, x in enumerate(runner.hidden):
+                    k, v = runner.attention_kv(layer, layer.input_layernorm(x), b)  # [T, kvh, d]
+                    k_amax[i] = np.maximum(k_amax[i], k.abs().amax(dim=(0, 2)).numpy())
+                    v_amax[i] = np.maximum(v_amax[i], v.abs().amax(dim=(0, 2)).numpy())
+                runner.advance(i)
+                if bar is not None:
+                    bar.advance(task)
+        progress_done(bar, task)
+        k_scales = np.maximum(k_amax / qmax, MIN_SCALE).astype(np.float32)
+        v_scales = np.maximum(v_amax / qmax, MIN_SCALE).astype(np.float32)
+        st.kv_cache = KvCacheQuant(dtype, k_scales, v_scales)  # type: ignore[arg-type]
+        return {
+            "dtype": dtype, "granularity": "per layer and KV head", "symmetric": True,
+            "weights_quantized_by": st.weight_method, "calibration": cal.record,
+            "k_scales": [[float(f"{s:.6g}") for s in row] for row in k_scales],
+            "v_scales": [[float(f"{s:.6g}") for s in row] for row in v_scales],
+        }

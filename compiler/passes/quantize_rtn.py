@@ -1,0 +1,71 @@
+"""INT4 round-to-nearest: the baseline every other weight quantization method is compared with.
+
+Every Linear but the ignored ones (lm_head by default) gets asymmetric INT4 weights with one scale
+and zero point per group of `group_size` input columns (compiler/quant/int4.py); no calibration.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from compiler.passes.base import BuildContext, Pass
+from compiler.quant import int4
+from compiler.quant.state import (
+    QuantizedWeight,
+    begin,
+    int4_bytes,
+    matches,
+    quant_state,
+    skipped_modules,
+    stats_for,
+    target_linears,
+    write_weight,
+)
+
+log = logging.getLogger(__name__)
+
+
+def check_group_size(group_size: int) -> None:
+    """MatMulNBits and blocked DequantizeLinear want a power of two >= 16."""
+    if group_size < 16 or group_size & (group_size - 1):
+        raise ValueError(f"group_size must be a power of two >= 16, got {group_size}")
+
+
+@dataclass(frozen=True)
+class RtnOptions:
+    group_size: int = 128
+    ignore: list[str] = field(default_factory=lambda: ["lm_head"])  # module name patterns kept in float
+
+    def __post_init__(self) -> None:
+        check_group_size(self.group_size)
+
+
+class QuantizeRtnPass(Pass):
+    """INT4 weight-only, round-to-nearest per group (the baseline)."""
+
+    name: ClassVar[str] = "quantize_rtn"
+    Config = RtnOptions
+    requires = ("capture",)
+    summary = "INT4 weight-only round-to-nearest, asymmetric, per group (baseline)"
+    quant_kind: ClassVar[str] = "weights"
+
+    def estimated_bytes(self, module: str, shape: tuple[int, ...], kind: str | None) -> int | None:
+        """Stored bytes of a checkpoint tensor after this pass (None: left as it is), for the dry run."""
+        if kind != "linear" or matches(module, self.config.ignore):
+            return None
+        return int4_bytes(shape, self.config.group_size)
+
+    def run(self, ctx: BuildContext) -> dict[str, Any]:
+        model = begin(ctx, self.name)
+        st = quant_state(ctx)
+        targets = target_linears(model, self.config.ignore)
+        for name, lin in targets.items():
+            q = int4.quantize_rtn(lin.weight, self.config.group_size)
+            write_weight(lin, q.dequantize())
+            st.weights[f"{name}.weight"] = QuantizedWeight(f"{name}.weight", "rtn", q)
+        st.weight_method = self.name
+        log.info("quantize_rtn: %d Linear weights to INT4 (group %d)", len(targets), self.config.group_size)
+        return {"method": "rtn", "bits": 4, "group_size": self.config.group_size, "symmetric": False,
+                **stats_for(st, model, skipped_modules(model, st.weights, self.config.ignore))}

@@ -1,0 +1,200 @@
+"""Calibration data and a layer-by-layer runner of our model definition.
+
+Selection (recorded in the manifest): the file's text (a .jsonl file: its records' `text_field`
+joined by a blank line) is tokenized without special tokens and cut into consecutive
+non-overlapping windows of `seq_len` tokens (the partial tail dropped); `num_samples` windows are
+drawn without replacement by `numpy.random.default_rng(seed)` and kept in file order.
+
+`LayerRunner` pushes the samples through the decoder one layer at a time (the ForwardBatch
+forward of compiler/models/llama.py, each sample a sequence of its own, no past), so peak memory
+is the model plus one layer's activations over the calibration tokens; hooks on a layer's Linear
+modules capture what each sees.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch import nn
+
+if TYPE_CHECKING:  # pragma: no cover
+    from compiler.passes.base import BuildContext
+
+
+def _error(message: str) -> Exception:
+    """A BuildError (imported late: compiler.passes imports the passes, which import this module)."""
+    from compiler.passes.base import BuildError
+
+    return BuildError(message)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    samples: tuple[tuple[int, ...], ...]  # token ids, each seq_len long
+    record: dict[str, Any]  # what the manifest says about the selection
+
+
+def read_text(path: Path, text_field: str) -> str:
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _error(f"calibration data {path} is not UTF-8 text: {e}") from e
+    if path.suffix.lower() != ".jsonl":
+        return text
+    parts = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise _error(f"{path}:{n}: invalid JSON ({e.msg})") from e
+        value = record.get(text_field) if isinstance(record, dict) else None
+        if not isinstance(value, str):
+            raise _error(f"{path}:{n}: no string field {text_field!r} (calibration.text_field)")
+        parts.append(value)
+    return "\n\n".join(parts)
+
+
+def select_windows(num_tokens: int, seq_len: int, num_samples: int, seed: int) -> list[int]:
+    """Start offsets of the chosen windows, ascending."""
+    windows = num_tokens // seq_len
+    if windows < num_samples:
+        raise _error(f"calibration data has {num_tokens} tokens = {windows} windows of {seq_len}; "
+                         f"num_samples is {num_samples} (lower it, shorten seq_len or give more text)")
+    picked = np.sort(np.random.default_rng(seed).choice(windows, size=num_samples, replace=False))
+    return [int(i) * seq_len for i in picked]
+
+
+def load_calibration(ctx: BuildContext, by: str) -> Calibration:
+    """The recipe's calibration windows (tokenized once per build, shared by the passes)."""
+    cached = ctx.artifacts.get("calibration")
+    if cached is not None:
+        return cached
+    spec = ctx.recipe.calibration
+    if spec is None:
+        raise _error(f"pass {by!r} needs calibration data: add a 'calibration:' section to the recipe "
+                         "(data: a local .txt or .jsonl file; num_samples, seq_len, seed)")
+    from tokenizers import Tokenizer
+
+    text = read_text(spec.data, spec.text_field)
+    tok = Tokenizer.from_file(str(ctx.checkpoint.path / "tokenizer.json"))
+    ids = tok.encode(text, add_special_tokens=False).ids
+    starts = select_windows(len(ids), spec.seq_len, spec.num_samples, spec.seed)
+    samples = tuple(tuple(ids[s:s + spec.seq_len]) for s in starts)
+    written = ctx.recipe.as_dict().get("calibration", {}).get("data", spec.data.name)
+    record = {
+        "data": written,
+        "sha256": hashlib.sha256(spec.data.read_bytes()).hexdigest(),
+        "format": "jsonl" if spec.data.suffix.lower() == ".jsonl" else "text",
+        "tokens": len(ids),
+        "seq_len": spec.seq_len,
+        "num_samples": spec.num_samples,
+        "seed": spec.seed,
+        "selection": "numpy.random.default_rng(seed).choice(windows, num_samples, replace=False), sorted",
+        "window_starts": starts,
+    }
+    cal = Calibration(samples, record)
+    ctx.artifacts["calibration"] = cal
+    return cal
+
+
+@dataclass
+class _Batch:
+    """Packed calibration sequences of one forward (no past) and the per-step tensors of every layer."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    actx: Any  # compiler.models.llama.AttentionContext
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+
+
+class LayerRunner:
+    """Runs the calibration samples through `model` one decoder layer at a time."""
+
+    def __init__(self, model: nn.Module, samples: Iterable[Iterable[int]], max_tokens_per_batch: int = 256) -> None:
+        from compiler.models.llama import AttentionContext
+
+        self.model = model
+        cfg = model.cfg
+        seqs = [list(s) for s in samples]
+        groups: list[list[list[int]]] = []
+        for s in seqs:
+            if groups and sum(map(len, groups[-1])) + len(s) <= max_tokens_per_batch:
+                groups[-1].append(s)
+            else:
+                groups.append([s])
+        self.batches: list[_Batch] = []
+        self.hidden: list[torch.Tensor] = []  # input of the next layer, one [T, hidden] per batch
+        cache = torch.zeros(1, model.block_size, cfg.num_kv_heads, cfg.head_dim, dtype=torch.float32)
+        with torch.no_grad():
+            for g in groups:
+                ids = torch.tensor([t for s in g for t in s], dtype=torch.int64)
+                positions = torch.cat([torch.arange(len(s), dtype=torch.int64) for s in g])
+                lens = torch.tensor([0] + [len(s) for s in g], dtype=torch.int32)
+                cu = torch.cumsum(lens, 0, dtype=torch.int32)
+                past = torch.zeros(len(g), dtype=torch.int32)
+                table = torch.zeros(len(g), 1, dtype=torch.int32)
+                # as LlamaForwardBatchModel.forward computes them
+                freqs = positions.to(torch.float32).unsqueeze(1) * model.inv_freq.unsqueeze(0)
+                emb = torch.cat([freqs, freqs], dim=-1)
+                actx = AttentionContext(positions, cu, past, table, model.block_size, cfg.num_kv_heads)
+                self.batches.append(_Batch(emb.cos(), emb.sin(), actx, cache, cache))
+                self.hidden.append(model.embed_tokens(ids).to(torch.float32))
+        self.num_tokens = sum(len(s) for s in seqs)
+
+    def attention(self, layer: nn.Module, x: torch.Tensor, b: int) -> torch.Tensor:
+        """layer.self_attn on the normalised input x of batch b (output only)."""
+        bt = self.batches[b]
+        return layer.self_attn(x, bt.cos, bt.sin, bt.actx, bt.k_cache, bt.v_cache)[0]
+
+    def attention_kv(self, layer: nn.Module, x: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        bt = self.batches[b]
+        _, k, v = layer.self_attn(x, bt.cos, bt.sin, bt.actx, bt.k_cache, bt.v_cache)
+        return k, v
+
+    def layer_forward(self, layer: nn.Module, x: torch.Tensor, b: int) -> torch.Tensor:
+        h = x + self.attention(layer, layer.input_layernorm(x), b)
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def outputs(self, index: int) -> list[torch.Tensor]:
+        """Layer `index` applied to the current hidden states (nothing stored)."""
+        layer = self.model.layers[index]
+        with torch.no_grad():
+            return [self.layer_forward(layer, x, b) for b, x in enumerate(self.hidden)]
+
+    def advance(self, index: int) -> None:
+        """Replace the hidden states by layer `index`'s outputs (with its current weights)."""
+        self.hidden = self.outputs(index)
+
+    def capture(self, index: int, modules: dict[str, nn.Module],
+                sink: Callable[[str, torch.Tensor], None] | None = None) -> dict[str, list[torch.Tensor]]:
+        """Run layer `index`; the input of each named module, per batch (or streamed to `sink`)."""
+        layer = self.model.layers[index]
+        seen: dict[str, list[torch.Tensor]] = {name: [] for name in modules}
+        handles = []
+        for name, mod in modules.items():
+            def hook(_m: nn.Module, args: tuple[Any, ...], _out: Any, name: str = name) -> None:
+                x = args[0].detach().reshape(-1, args[0].shape[-1]).to(torch.float32)
+                if sink is not None:
+                    sink(name, x)
+                else:
+                    seen[name].append(x)
+            handles.append(mod.register_forward_hook(hook))
+        try:
+            with torch.no_grad():
+                for b, x in enumerate(self.hidden):
+                    self.layer_forward(layer, x, b)
+        finally:
+            for h in handles:
+                h.remove()
+        return seen

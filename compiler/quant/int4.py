@@ -1,0 +1,155 @@
+"""Asymmetric INT4 weight quantization with groups along the input dimension.
+
+A Linear weight W [out, in] is cut along `in` into groups of `group_size` columns; the last group
+is shorter when `in` is not a multiple (the demo's down_proj: 704 = 5 x 128 + 64). Each (row,
+group) has a float32 scale and an integer zero point in [0, 15]:
+
+    code = clamp(round(w / scale) + zero, 0, 15)        w' = (code - zero) * scale
+
+which is exactly ONNX DequantizeLinear on uint4 (blocked, axis=1) and ORT MatMulNBits. Codes are
+kept unpacked (uint8, one code per byte) until lowering packs them. Scales come from the group's
+min and max (optionally clipped to `max_val`), widened to contain 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+MAXQ = 15  # 4 bits, unsigned codes
+
+
+def num_groups(in_features: int, group_size: int) -> int:
+    return -(-in_features // group_size)
+
+
+def group_index(in_features: int, group_size: int) -> torch.Tensor:
+    """[in] -> the group of each input column."""
+    return torch.arange(in_features) // group_size
+
+
+def _grouped(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [out, in] -> (padded view [out, G, gs], valid mask [1, G, gs]); padding is 0 and masked."""
+    out, cols = w.shape
+    g = num_groups(cols, group_size)
+    pad = g * group_size - cols
+    wp = torch.nn.functional.pad(w, (0, pad)).view(out, g, group_size)
+    valid = (torch.arange(g * group_size) < cols).view(1, g, group_size)
+    return wp, valid
+
+
+def group_minmax(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per (row, group) min and max over the real columns: two [out, G] tensors."""
+    wp, valid = _grouped(w, group_size)
+    wmin = torch.where(valid, wp, torch.full((), float("inf"), dtype=w.dtype)).amin(-1)
+    wmax = torch.where(valid, wp, torch.full((), float("-inf"), dtype=w.dtype)).amax(-1)
+    return wmin, wmax
+
+
+def params_from_range(wmin: torch.Tensor, wmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale float32, zero float32 holding integers 0..15) from a per-group range.
+
+    The range is widened to contain 0 (as GPTQ's quantizer does): with an integer zero point in
+    [0, 15], a group entirely above or below 0 could not be represented otherwise."""
+    wmin = torch.clamp(wmin, max=0)
+    wmax = torch.clamp(wmax, min=0)
+    scale = ((wmax - wmin).clamp(min=1e-5) / MAXQ).to(torch.float32)
+    zero = torch.clamp(torch.round(-wmin.to(torch.float32) / scale), 0, MAXQ)
+    return scale, zero
+
+
+def group_params(w: torch.Tensor, group_size: int, max_val: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero point [out, G] of each group; `max_val` [out, G] clips the range to +-max_val."""
+    wmin, wmax = group_minmax(w, group_size)
+    if max_val is not None:
+        wmin = torch.maximum(wmin, -max_val)
+        wmax = torch.minimum(wmax, max_val)
+    return params_from_range(wmin, wmax)
+
+
+def expand(t: torch.Tensor, in_features: int, group_size: int) -> torch.Tensor:
+    """[out, G] per-group values -> [out, in] per column."""
+    return t[:, group_index(in_features, group_size)]
+
+
+def quantize_codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """Codes (float tensor of integers 0..15) for w with broadcastable scale/zero."""
+    return torch.clamp(torch.round(w / scale) + zero, 0, MAXQ)
+
+
+def dequantize_codes(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    return (codes - zero) * scale
+
+
+def fake_quantize(w: torch.Tensor, group_size: int, max_val: torch.Tensor | None = None) -> torch.Tensor:
+    """Round-to-nearest quantize-dequantize of W [out, in] (float32 result)."""
+    w = w.to(torch.float32)
+    scale, zero = group_params(w, group_size, max_val)
+    s, z = expand(scale, w.shape[1], group_size), expand(zero, w.shape[1], group_size)
+    return dequantize_codes(quantize_codes(w, s, z), s, z)
+
+
+@dataclass
+class Int4Weight:
+    """One Linear weight in INT4: what lowering writes and what the torch model holds dequantized."""
+
+    codes: np.ndarray  # uint8 [out, in], values 0..15 (unpacked)
+    scales: np.ndarray  # float32 [out, G]
+    zeros: np.ndarray  # uint8 [out, G], values 0..15
+    group_size: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (int(self.codes.shape[0]), int(self.codes.shape[1]))
+
+    def dequantize(self) -> torch.Tensor:
+        cols, gs = self.codes.shape[1], self.group_size
+        s = expand(torch.from_numpy(self.scales), cols, gs)
+        z = expand(torch.from_numpy(self.zeros).to(torch.float32), cols, gs)
+        return dequantize_codes(torch.from_numpy(self.codes).to(torch.float32), s, z)
+
+
+def quantize_rtn(w: torch.Tensor, group_size: int, max_val: torch.Tensor | None = None) -> Int4Weight:
+    """Round-to-nearest INT4 of W [out, in] (optionally with per-group clipping)."""
+    w = w.detach().to(torch.float32)
+    scale, zero = group_params(w, group_size, max_val)
+    codes = quantize_codes(w, expand(scale, w.shape[1], group_size), expand(zero, w.shape[1], group_size))
+    return from_codes(codes, scale, zero, group_size)
+
+
+def from_codes(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int) -> Int4Weight:
+    return Int4Weight(
+        codes=codes.to(torch.uint8).numpy(),
+        scales=scale.to(torch.float32).contiguous().numpy(),
+        zeros=zero.to(torch.uint8).contiguous().numpy(),
+        group_size=group_size,
+    )
+
+
+# ------------------------------------------------------------------------------ packing
+
+
+def pack_nibbles(codes: np.ndarray) -> np.ndarray:
+    """Pairs of 4-bit values along the last axis -> bytes (first value in the low nibble)."""
+    if codes.shape[-1] % 2:
+        codes = np.concatenate([codes, np.zeros(codes.shape[:-1] + (1,), np.uint8)], axis=-1)
+    return (codes[..., 0::2] & 0x0F) | ((codes[..., 1::2] & 0x0F) << 4)
+
+
+def pack_matmulnbits(q: Int4Weight) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(B uint8 [N, k_blocks, block_size/2], scales float32 [N * k_blocks], zero_points uint8
+    [N * ceil(k_blocks / 2)]) as com.microsoft.MatMulNBits (bits=4) reads them.
+
+    The padding columns of the last block hold the zero point, so they dequantize to 0.
+    """
+    n, k = q.shape
+    bs = q.group_size
+    kb = num_groups(k, bs)
+    padded = np.repeat(q.zeros, bs, axis=1)  # zero point everywhere, then the real codes
+    padded[:, :k] = q.codes
+    b = pack_nibbles(padded).reshape(n, kb, bs // 2)
+    zp = pack_nibbles(q.zeros).reshape(-1)
+    return np.ascontiguousarray(b), np.ascontiguousarray(q.scales.reshape(-1)), np.ascontiguousarray(zp)

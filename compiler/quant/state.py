@@ -1,0 +1,158 @@
+"""What the quantize_* passes hand to lower_quant (in ctx.artifacts["quant"]) and shared helpers.
+
+The quantized tensors are data (STYLE 11): per weight name, the codes, scales and zero points the
+artifact stores, plus how activations and the KV cache are quantized. The torch model holds the
+dequantized weights, so our model definition computes what the artifact computes; the unquantized
+model is kept as ctx.artifacts["reference_model"] for the quality gate.
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+import torch
+from torch import nn
+
+from compiler.quant.fp8 import Fp8Weight
+from compiler.quant.int4 import Int4Weight
+
+if TYPE_CHECKING:  # pragma: no cover - compiler.passes imports the passes, which import this module
+    from compiler.passes.base import BuildContext
+
+@dataclass
+class QuantizedWeight:
+    """One quantized weight: the parameter it replaces and its stored form."""
+
+    name: str  # parameter name, e.g. "layers.0.mlp.down_proj.weight" (= the ONNX initializer name)
+    method: str  # rtn | awq | gptq | fp8
+    data: Int4Weight | Fp8Weight
+    kind: Literal["linear", "embedding"] = "linear"
+    act_mode: Literal["none", "static", "dynamic"] = "none"  # FP8 activation quantization of the input
+    act_scale: float | None = None  # static per-tensor scale of the input
+
+    @property
+    def scheme(self) -> str:
+        return "int4" if isinstance(self.data, Int4Weight) else "fp8_e4m3"
+
+
+@dataclass
+class KvCacheQuant:
+    """KV-cache quantization: dtype and per-(layer, KV head) scales for keys and values."""
+
+    dtype: Literal["int8", "float8_e4m3fn"]
+    k_scales: np.ndarray  # float32 [layers, kv_heads]
+    v_scales: np.ndarray
+
+
+@dataclass
+class QuantState:
+    weights: dict[str, QuantizedWeight] = field(default_factory=dict)
+    weight_method: str | None = None  # the pass that quantized the weights
+    kv_cache: KvCacheQuant | None = None
+
+
+def quant_state(ctx: BuildContext) -> QuantState:
+    return ctx.artifacts.setdefault("quant", QuantState())
+
+
+def begin(ctx: BuildContext, by: str, weights: bool = True) -> nn.Module:
+    """Common start of a quantize pass: the model, a reference copy kept once, one weight method."""
+    from compiler.passes.base import BuildError
+
+    model = ctx.require("model", by)
+    if "lower_onnx" in ctx.completed:
+        raise BuildError(f"pass {by!r} must run before lower_onnx (it changes the weights that are lowered)")
+    if "reference_model" not in ctx.artifacts:
+        ctx.artifacts["reference_model"] = copy.deepcopy(model)
+    st = quant_state(ctx)
+    if weights and st.weight_method is not None:
+        raise BuildError(f"pass {by!r}: the weights are already quantized by {st.weight_method!r}; "
+                         "use one weight quantization pass per recipe")
+    return model
+
+
+def matches(name: str, patterns: tuple[str, ...] | list[str]) -> bool:
+    """fnmatch on the module name; a pattern without wildcards also matches as the last name part."""
+    for p in patterns:
+        if fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(name, f"*.{p}"):
+            return True
+    return False
+
+
+def target_linears(model: nn.Module, ignore: tuple[str, ...] | list[str]) -> dict[str, nn.Linear]:
+    """Linear modules by name, in model order, except those matching `ignore`."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and not matches(n, ignore)}
+
+
+def write_weight(module: nn.Module, w: torch.Tensor) -> None:
+    """Copy into the existing parameter (the exported program shares its storage)."""
+    with torch.no_grad():
+        module.weight.copy_(w.to(module.weight.dtype))
+
+
+def layer_linears(layer: nn.Module, prefix: str, targets: dict[str, nn.Linear]) -> dict[str, nn.Linear]:
+    """The target Linears inside one decoder layer, keyed by full module name."""
+    return {f"{prefix}.{n}": m for n, m in layer.named_modules()
+            if isinstance(m, nn.Linear) and f"{prefix}.{n}" in targets}
+
+
+def progress_task(ctx: BuildContext, description: str, total: int) -> tuple[Any, Any]:
+    """A sub-task on the build's progress display (None when progress is off)."""
+    bar = ctx.artifacts.get("progress")
+    if bar is None:
+        return None, None
+    return bar, bar.add_task(description, total=total)
+
+
+def progress_done(bar: Any, task: Any) -> None:
+    if bar is not None:
+        bar.remove_task(task)
+
+
+def stats_for(st: QuantState, model: nn.Module, skipped: dict[str, str]) -> dict[str, Any]:
+    """Manifest stats common to the weight quantizers."""
+    schemes: dict[str, int] = {}
+    for q in st.weights.values():
+        schemes[q.scheme] = schemes.get(q.scheme, 0) + 1
+    return {
+        "quantized": sorted(n.removesuffix(".weight") for n in st.weights),
+        "quantized_count": len(st.weights),
+        "schemes": schemes,
+        "not_quantized": dict(sorted(skipped.items())),
+    }
+
+
+def skipped_modules(model: nn.Module, quantized: dict[str, Any], ignore: tuple[str, ...] | list[str],
+                    embeddings_supported: bool = False) -> dict[str, str]:
+    """Why each Linear/Embedding was left in float (for the manifest)."""
+    out: dict[str, str] = {}
+    for n, m in model.named_modules():
+        if f"{n}.weight" in quantized:
+            continue
+        if isinstance(m, nn.Linear):
+            out[n] = "ignore pattern" if matches(n, ignore) else "not quantized"
+        elif isinstance(m, nn.Embedding):
+            if not embeddings_supported:
+                out[n] = "embedding: weight-only INT4 applies to Linear only"
+            else:
+                out[n] = "ignore pattern" if matches(n, ignore) else "not quantized"
+    return out
+
+
+def module_of(hf_name: str, shape: tuple[int, ...]) -> tuple[str, str | None]:
+    """(our module name, "linear" | "embedding" | None) of a checkpoint tensor, for dry-run estimates."""
+    module = hf_name.removeprefix("model.").removesuffix(".weight")
+    if len(shape) != 2 or not hf_name.endswith(".weight"):
+        return module, None
+    return module, "embedding" if module.endswith("embed_tokens") else "linear"
+
+
+def int4_bytes(shape: tuple[int, ...], group_size: int) -> int:
+    """Stored bytes of an INT4 [out, in] weight as MatMulNBits holds it (padded blocks, scales, zeros)."""
+    out, cols = shape
+    g = -(-cols // group_size)
+    return out * g * (group_size // 2) + out * g * 4 + out * -(-g // 2)

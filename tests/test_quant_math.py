@@ -1,0 +1,214 @@
+"""Quantization math (compiler/quant): INT4 groups with a padded last group, FP8 E4M3, GPTQ, AWQ,
+calibration selection; each checked against a direct computation or against ONNX Runtime."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from compiler.passes.base import BuildError
+from compiler.quant import awq, fp8, gptq, int4
+from compiler.quant.calibration import read_text, select_windows
+
+
+def _session(nodes: list, inputs: list, outputs: list, inits: list, ms: bool = False) -> ort.InferenceSession:
+    opsets = [helper.make_opsetid("", 21)] + ([helper.make_opsetid("com.microsoft", 1)] if ms else [])
+    model = helper.make_model(helper.make_graph(nodes, "g", inputs, outputs, inits), opset_imports=opsets)
+    onnx.checker.check_model(model, full_check=True)
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def _weight(out: int, cols: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(out, cols, generator=g) * 0.05
+
+
+# ------------------------------------------------------------------------------ INT4
+
+
+def test_int4_groups_pad_the_last_group_without_using_the_padding() -> None:
+    w = _weight(8, 704)
+    w[:, 640:] += 3.0  # the short last group (64 columns) has its own range
+    q = int4.quantize_rtn(w, 128)
+    assert q.codes.shape == (8, 704) and q.scales.shape == (8, 6) and q.zeros.shape == (8, 6)
+    assert q.codes.max() <= 15 and q.zeros.max() <= 15
+    last = w[:, 640:]
+    expect = ((last.amax(1) - last.amin(1).clamp(max=0)) / 15).numpy()  # the range always contains 0
+    np.testing.assert_allclose(q.scales[:, 5], expect, rtol=1e-6)
+    err = (q.dequantize() - w).abs()
+    bound = torch.from_numpy(q.scales).repeat_interleave(128, 1)[:, :704] / 2
+    assert bool((err <= bound * (1 + 1e-5) + 1e-7).all())
+    torch.testing.assert_close(int4.fake_quantize(w, 128), q.dequantize(), rtol=0, atol=0)
+
+
+def test_int4_clipping_bounds_the_range() -> None:
+    w = _weight(4, 256)
+    max_val = torch.full((4, 2), 0.02)
+    deq = int4.quantize_rtn(w, 128, max_val).dequantize()
+    assert float(deq.abs().max()) <= 0.02 + 0.04 / 15  # the range is [-0.02, 0.02] up to one step
+
+
+@pytest.mark.parametrize("cols", [704, 256])
+def test_matmulnbits_and_blocked_dequantizelinear_match_the_torch_dequantization(cols: int) -> None:
+    q = int4.quantize_rtn(_weight(48, cols, seed=cols), 128)
+    x = np.random.default_rng(0).standard_normal((5, cols)).astype(np.float32)
+    ref = x @ q.dequantize().numpy().T
+    b, s, z = int4.pack_matmulnbits(q)
+    assert b.shape == (48, int4.num_groups(cols, 128), 64)
+    xin = helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, cols])
+    yout = helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, 48])
+    nbits = _session([helper.make_node("MatMulNBits", ["x", "B", "S", "Z"], ["y"], domain="com.microsoft", K=cols,
+                                       N=48, bits=4, block_size=128)], [xin], [yout],
+                     [numpy_helper.from_array(b, "B"), numpy_helper.from_array(s, "S"),
+                      numpy_helper.from_array(z, "Z")], ms=True)
+    np.testing.assert_allclose(nbits.run(None, {"x": x})[0], ref, rtol=1e-4, atol=1e-5)
+    qdq = _session([helper.make_node("DequantizeLinear", ["Wq", "S", "Z"], ["W"], axis=1, block_size=128),
+                    helper.make_node("Gemm", ["x", "W"], ["y"], transB=1)], [xin], [yout],
+                   [numpy_helper.from_array(q.codes.astype(ml_dtypes.uint4), "Wq"),
+                    numpy_helper.from_array(q.scales, "S"),
+                    numpy_helper.from_array(q.zeros.astype(ml_dtypes.uint4), "Z")])
+    np.testing.assert_allclose(qdq.run(None, {"x": x})[0], ref, rtol=1e-5, atol=1e-6)
+
+
+def test_int4_weights_with_scales_and_zeros_take_under_15_percent_of_fp32() -> None:
+    for shape in [(256, 256), (64, 256), (704, 256), (256, 704)]:
+        b, s, z = int4.pack_matmulnbits(int4.quantize_rtn(_weight(*shape), 128))
+        assert (b.nbytes + s.nbytes + z.nbytes) / (shape[0] * shape[1] * 4) <= 0.15, shape
+
+
+# ------------------------------------------------------------------------------ FP8
+
+
+def test_fp8_weights_match_ml_dtypes_and_saturate() -> None:
+    w = _weight(16, 64)
+    q = fp8.quantize_weight(w, per_channel=True)
+    scale = (w.abs().amax(1) / 448).numpy()
+    np.testing.assert_allclose(q.scales, scale, rtol=1e-6)
+    expect = (w.numpy() / scale[:, None]).astype(ml_dtypes.float8_e4m3fn)
+    assert np.array_equal(q.codes, expect.view(np.uint8))
+    np.testing.assert_allclose(q.dequantize().numpy(), expect.astype(np.float32) * scale[:, None], rtol=0, atol=0)
+    big = fp8.to_e4m3(torch.tensor([1e6, -1e6, 3.0])).to(torch.float32)
+    assert big.tolist() == [448.0, -448.0, 3.0]
+    t = fp8.quantize_weight(w, per_channel=False)
+    assert t.scales.shape == () and np.isfinite(t.dequantize().numpy()).all()
+
+
+@pytest.mark.parametrize("mode", ["static", "dynamic"])
+def test_fp8_activation_qdq_in_onnx_runtime_matches_torch(mode: str) -> None:
+    from compiler.quant import onnx_rules as R
+    from compiler.quant.state import QuantizedWeight
+
+    w = _weight(32, 64)
+    qw = QuantizedWeight("w", "fp8", fp8.quantize_weight(w), act_mode=mode,
+                         act_scale=fp8.activation_scale(3.0) if mode == "static" else None)
+    model = helper.make_model(helper.make_graph(
+        [helper.make_node("Gemm", ["x", "w"], ["y"], name="gemm", transB=1)], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, 32])],
+        [numpy_helper.from_array(w.numpy(), "w")]), opset_imports=[helper.make_opsetid("", 21)])
+    g = R.Graph(model)
+    assert R.WeightToQdq().check(g, qw) is None
+    dq = R.WeightToQdq().rewrite(g, qw)
+    assert R.ActivationQdq().check(g, qw, dq.output[0]) is None
+    assert R.ActivationQdq().rewrite(g, qw, dq.output[0], {}) == 1
+    g.commit()
+    onnx.checker.check_model(model, full_check=True)
+    x = (np.random.default_rng(1).standard_normal((6, 64)) * 2).astype(np.float32)
+    got = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    xt = torch.from_numpy(x)
+    scale = torch.tensor(qw.act_scale) if mode == "static" else (xt.abs().amax(1, keepdim=True) / 448)
+    ref = fp8.fake_quantize(xt, scale) @ qw.data.dequantize().T
+    np.testing.assert_allclose(got, ref.numpy(), rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------ GPTQ and AWQ
+
+
+def _correlated_inputs(n: int, cols: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.randn(cols, cols, generator=g) / cols**0.5
+    scale = torch.exp(torch.randn(cols, generator=g))  # a few large channels, as in LLM activations
+    return (torch.randn(n, cols, generator=g) @ mix) * scale
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_reconstructs_the_layer_output_better_than_rtn(act_order: bool) -> None:
+    cols = 320  # 2.5 groups of 128: the last group is short
+    w = _weight(64, cols, seed=3)
+    x = _correlated_inputs(2048, cols)
+    h = gptq.Hessian(cols)
+    h.add(x)
+    q, _ = gptq.gptq_quantize(w, h.value(), 128, damp=0.01, act_order=act_order)
+    rtn = int4.quantize_rtn(w, 128)
+    err_gptq = float((x @ (q.dequantize() - w).T).pow(2).mean())
+    err_rtn = float((x @ (rtn.dequantize() - w).T).pow(2).mean())
+    assert err_gptq < 0.7 * err_rtn, (err_gptq, err_rtn)
+    # the stored codes, scales and zero points are the weights' exact description (contiguous groups)
+    deq = (q.codes.astype(np.float32) - np.repeat(q.zeros, 128, 1)[:, :cols]) * np.repeat(q.scales, 128, 1)[:, :cols]
+    np.testing.assert_array_equal(q.dequantize().numpy(), deq)
+
+
+def test_gptq_handles_dead_inputs_and_refuses_an_empty_hessian() -> None:
+    x = _correlated_inputs(512, 128)
+    x[:, 5] = 0.0
+    h = gptq.Hessian(128)
+    h.add(x)
+    q, _ = gptq.gptq_quantize(_weight(8, 128), h.value(), 128)
+    assert np.isfinite(q.scales).all()
+    with pytest.raises(ValueError, match="no calibration input"):
+        gptq.Hessian(4).value()
+
+
+def test_awq_scale_folding_keeps_the_float_function_and_the_search_helps() -> None:
+    from compiler.models.llama import RMSNorm
+
+    torch.manual_seed(0)
+    norm = RMSNorm(128, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(128) + 0.5)
+    lin = torch.nn.Linear(128, 64, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(_weight(64, 128))
+    x = _correlated_inputs(512, 128, seed=1)
+    before = lin(norm(x)).detach()
+    group = awq.ScaleGroup("t", norm, [lin], [True], [norm(x).detach()], lambda b, xi: lin(xi))
+    s, ratio, loss = awq.search_scale(group, 128, n_grid=10)
+    with torch.no_grad():
+        plain = float((lin(norm(x)) - torch.nn.functional.linear(norm(x), int4.fake_quantize(lin.weight, 128))
+                       ).pow(2).mean())
+    assert loss <= plain + 1e-12 and 0 <= ratio < 1
+    awq.apply_scale(group, s)
+    torch.testing.assert_close(lin(norm(x)).detach(), before, rtol=1e-4, atol=1e-5)
+    max_val = awq.search_clip(lin.weight, group.inputs, 128, n_grid=10)
+    assert max_val.shape == (64, 1)
+
+
+# ------------------------------------------------------------------------------ calibration
+
+
+def test_window_selection_is_seeded_sorted_and_checked() -> None:
+    a = select_windows(10_000, 256, 8, seed=0)
+    assert a == select_windows(10_000, 256, 8, seed=0) and a == sorted(a) and len(set(a)) == 8
+    assert all(s % 256 == 0 and s + 256 <= 10_000 for s in a)
+    assert a != select_windows(10_000, 256, 8, seed=1)
+    with pytest.raises(BuildError, match="num_samples is 50"):
+        select_windows(10_000, 256, 50, seed=0)
+
+
+def test_jsonl_calibration_joins_the_text_field(tmp_path: Path) -> None:
+    f = tmp_path / "c.jsonl"
+    f.write_text("\n".join(json.dumps({"text": t, "id": i}) for i, t in enumerate(["a = 1", "b = 2"])) + "\n\n")
+    assert read_text(f, "text") == "a = 1\n\nb = 2"
+    with pytest.raises(BuildError, match=r"c.jsonl:1: no string field 'body'"):
+        read_text(f, "body")
+    f.write_text('{"text": "x"}\nnot json\n')
+    with pytest.raises(BuildError, match=r"c.jsonl:2: invalid JSON"):
+        read_text(f, "text")
