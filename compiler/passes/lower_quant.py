@@ -18,7 +18,6 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 
 from compiler.passes.base import BuildContext, BuildError, Pass
-from compiler.quant.int4 import Int4Weight
 
 log = logging.getLogger(__name__)
 
@@ -57,10 +56,12 @@ class LowerQuantPass(Pass):
         import torch
 
         from compiler.quant import onnx_rules as R
+        from compiler.quant.int4 import Int4Weight
 
         model = ctx.require("onnx", self.name)
         st = ctx.artifacts["quant"]
         cfg = ctx.checkpoint.config
+        nodes_before = len(model.graph.node)
         g = R.Graph(model)
         stats: dict[str, Any] = {}
         if any(isinstance(q.data, Int4Weight) for q in st.weights.values()):
@@ -173,6 +174,7 @@ class LowerQuantPass(Pass):
         stats.update({
             "op_counts": {k: ops[k] for k in sorted(ops) if k in (
                 "MatMulNBits", "DequantizeLinear", "QuantizeLinear", "Gemm", "MatMul", "Gather")},
+            "nodes_before": nodes_before,
             "nodes": sum(ops.values()),
         })
         return stats

@@ -10,27 +10,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
-
-from torch import nn
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from compiler.passes.base import BuildContext, Pass
-from compiler.passes.quantize_rtn import check_group_size
-from compiler.quant import awq, int4
-from compiler.quant.calibration import LayerRunner, load_calibration
-from compiler.quant.state import (
-    QuantizedWeight,
-    begin,
-    int4_bytes,
-    matches,
-    progress_done,
-    progress_task,
-    quant_state,
-    skipped_modules,
-    stats_for,
-    target_linears,
-    write_weight,
-)
+from compiler.quant.common import check_group_size, int4_bytes, matches
+
+if TYPE_CHECKING:  # pragma: no cover
+    from compiler.quant.calibration import LayerRunner
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +67,22 @@ class QuantizeAwqPass(Pass):
         return True
 
     def run(self, ctx: BuildContext) -> dict[str, Any]:
+        from torch import nn
+
+        from compiler.quant import awq, int4
+        from compiler.quant.calibration import LayerRunner, load_calibration
+        from compiler.quant.state import (
+            QuantizedWeight,
+            begin,
+            progress_done,
+            progress_task,
+            quant_state,
+            skipped_modules,
+            stats_for,
+            target_linears,
+            write_weight,
+        )
+
         c = self.config
         model = begin(ctx, self.name)
         st = quant_state(ctx)

@@ -16,21 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 from compiler.passes.base import BuildContext, Pass
-from compiler.quant import fp8
-from compiler.quant.calibration import LayerRunner, load_calibration
-from compiler.quant.state import (
-    QuantizedWeight,
-    begin,
-    layer_linears,
-    matches,
-    progress_done,
-    progress_task,
-    quant_state,
-    skipped_modules,
-    stats_for,
-    target_linears,
-    write_weight,
-)
+from compiler.quant.common import matches
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +49,21 @@ class QuantizeFp8Pass(Pass):
 
     def run(self, ctx: BuildContext) -> dict[str, Any]:
         import torch
+
+        from compiler.quant import fp8
+        from compiler.quant.calibration import LayerRunner, load_calibration
+        from compiler.quant.state import (
+            QuantizedWeight,
+            begin,
+            layer_linears,
+            progress_done,
+            progress_task,
+            quant_state,
+            skipped_modules,
+            stats_for,
+            target_linears,
+            write_weight,
+        )
 
         c = self.config
         model = begin(ctx, self.name)
@@ -115,6 +116,9 @@ class QuantizeFp8Pass(Pass):
         }
 
     def _quantize(self, st: Any, name: str, lin: Any, per_channel: bool, amax: float | None) -> None:
+        from compiler.quant import fp8
+        from compiler.quant.state import QuantizedWeight, write_weight
+
         q = fp8.quantize_weight(lin.weight, per_channel)
         write_weight(lin, q.dequantize())
         mode = self.config.activations

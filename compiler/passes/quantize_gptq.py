@@ -14,23 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from compiler.passes.base import BuildContext, BuildError, Pass
-from compiler.passes.quantize_rtn import check_group_size
-from compiler.quant import gptq, int4
-from compiler.quant.calibration import LayerRunner, load_calibration
-from compiler.quant.state import (
-    QuantizedWeight,
-    begin,
-    int4_bytes,
-    layer_linears,
-    matches,
-    progress_done,
-    progress_task,
-    quant_state,
-    skipped_modules,
-    stats_for,
-    target_linears,
-    write_weight,
-)
+from compiler.quant.common import check_group_size, int4_bytes, matches
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +63,21 @@ class QuantizeGptqPass(Pass):
         return True
 
     def run(self, ctx: BuildContext) -> dict[str, Any]:
+        from compiler.quant import gptq, int4
+        from compiler.quant.calibration import LayerRunner, load_calibration
+        from compiler.quant.state import (
+            QuantizedWeight,
+            begin,
+            layer_linears,
+            progress_done,
+            progress_task,
+            quant_state,
+            skipped_modules,
+            stats_for,
+            target_linears,
+            write_weight,
+        )
+
         c = self.config
         model = begin(ctx, self.name)
         st = quant_state(ctx)

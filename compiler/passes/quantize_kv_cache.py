@@ -14,12 +14,10 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from compiler.passes.base import BuildContext, Pass
-from compiler.quant.calibration import LayerRunner, load_calibration
-from compiler.quant.fp8 import E4M3_MAX, MIN_SCALE
-from compiler.quant.state import KvCacheQuant, begin, progress_done, progress_task, quant_state
 
 log = logging.getLogger(__name__)
 
+E4M3_MAX = 448.0  # compiler.quant.fp8.E4M3_MAX (not imported here: that module needs torch)
 DTYPES = {"int8": ("int8", 127.0), "fp8": ("float8_e4m3fn", E4M3_MAX)}
 
 
@@ -46,6 +44,10 @@ class QuantizeKvCachePass(Pass):
     def run(self, ctx: BuildContext) -> dict[str, Any]:
         import numpy as np
         import torch
+
+        from compiler.quant.calibration import LayerRunner, load_calibration
+        from compiler.quant.fp8 import MIN_SCALE
+        from compiler.quant.state import KvCacheQuant, begin, progress_done, progress_task, quant_state
 
         model = begin(ctx, self.name, weights=False)
         st = quant_state(ctx)

@@ -11,26 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from compiler.passes.base import BuildContext, Pass
-from compiler.quant import int4
-from compiler.quant.state import (
-    QuantizedWeight,
-    begin,
-    int4_bytes,
-    matches,
-    quant_state,
-    skipped_modules,
-    stats_for,
-    target_linears,
-    write_weight,
-)
+from compiler.quant.common import check_group_size, int4_bytes, matches
 
 log = logging.getLogger(__name__)
-
-
-def check_group_size(group_size: int) -> None:
-    """MatMulNBits and blocked DequantizeLinear want a power of two >= 16."""
-    if group_size < 16 or group_size & (group_size - 1):
-        raise ValueError(f"group_size must be a power of two >= 16, got {group_size}")
 
 
 @dataclass(frozen=True)
@@ -58,6 +41,17 @@ class QuantizeRtnPass(Pass):
         return int4_bytes(shape, self.config.group_size)
 
     def run(self, ctx: BuildContext) -> dict[str, Any]:
+        from compiler.quant import int4
+        from compiler.quant.state import (
+            QuantizedWeight,
+            begin,
+            quant_state,
+            skipped_modules,
+            stats_for,
+            target_linears,
+            write_weight,
+        )
+
         model = begin(ctx, self.name)
         st = quant_state(ctx)
         targets = target_linears(model, self.config.ignore)

@@ -9,7 +9,6 @@ model is kept as ctx.artifacts["reference_model"] for the quality gate.
 from __future__ import annotations
 
 import copy
-import fnmatch
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -17,6 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from compiler.quant.common import int4_bytes, matches, module_of  # noqa: F401 (re-exported)
 from compiler.quant.fp8 import Fp8Weight
 from compiler.quant.int4 import Int4Weight
 
@@ -75,12 +75,6 @@ def begin(ctx: BuildContext, by: str, weights: bool = True) -> nn.Module:
     return model
 
 
-def matches(name: str, patterns: tuple[str, ...] | list[str]) -> bool:
-    """fnmatch on the module name; a pattern without wildcards also matches as the last name part."""
-    for p in patterns:
-        if fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(name, f"*.{p}"):
-            return True
-    return False
 
 
 def target_linears(model: nn.Module, ignore: tuple[str, ...] | list[str]) -> dict[str, nn.Linear]:
@@ -143,16 +137,4 @@ def skipped_modules(model: nn.Module, quantized: dict[str, Any], ignore: tuple[s
     return out
 
 
-def module_of(hf_name: str, shape: tuple[int, ...]) -> tuple[str, str | None]:
-    """(our module name, "linear" | "embedding" | None) of a checkpoint tensor, for dry-run estimates."""
-    module = hf_name.removeprefix("model.").removesuffix(".weight")
-    if len(shape) != 2 or not hf_name.endswith(".weight"):
-        return module, None
-    return module, "embedding" if module.endswith("embed_tokens") else "linear"
 
-
-def int4_bytes(shape: tuple[int, ...], group_size: int) -> int:
-    """Stored bytes of an INT4 [out, in] weight as MatMulNBits holds it (padded blocks, scales, zeros)."""
-    out, cols = shape
-    g = -(-cols // group_size)
-    return out * g * (group_size // 2) + out * g * 4 + out * -(-g // 2)
