@@ -126,7 +126,12 @@ def _load_backend(artifact: Artifact, num_blocks: int | None, threads: int | Non
         providers = ["CUDAExecutionProvider"] if cfg.get("device") == "cuda" else ["CPUExecutionProvider"]
         return OnnxRuntimeBackend(artifact.model_path, cfg, num_blocks=num_blocks, providers=providers,
                                   intra_op_threads=threads)
-    raise RuntimeError(f"artifact backend {backend!r} is not available in this runtime (have: onnxruntime)")
+    if backend == "torch":
+        from runtime.backends.pytorch import TorchBackend
+
+        return TorchBackend(artifact.model_path, cfg, num_blocks=num_blocks, device=cfg.get("device", "cpu"),
+                            threads=threads)
+    raise RuntimeError(f"artifact backend {backend!r} is not available in this runtime (have: onnxruntime, torch)")
 
 
 class LLMEngine:

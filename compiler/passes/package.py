@@ -1,4 +1,5 @@
-"""Packaging: write the ONNX model with external weights, tokenizer files and runtime.json.
+"""Packaging: write the model (ONNX with external weights, or the torch.export program for the torch
+target), tokenizer files and runtime.json.
 
 The manifest itself is written by the build driver (compiler/build.py) through runtime/artifact.py
 once every pass and the quality gate have run, so it lists every payload file with its sha256.
@@ -18,6 +19,7 @@ log = logging.getLogger(__name__)
 
 MODEL_FILE = "model.onnx"
 WEIGHTS_FILE = "model.onnx.data"
+TORCH_MODEL_FILE = "model.pt2"  # torch.export.save of the captured program (weights inside)
 
 
 @dataclass(frozen=True)
@@ -35,7 +37,7 @@ def runtime_config(ctx: BuildContext) -> dict[str, Any]:
     return {
         "backend": ctx.recipe.target.backend,
         "device": ctx.recipe.target.device,
-        "model_file": MODEL_FILE,
+        "model_file": TORCH_MODEL_FILE if ctx.recipe.target.backend == "torch" else MODEL_FILE,
         "kv_cache": {
             "block_size": rt.kv_block_size,
             "num_blocks": rt.num_kv_blocks,
@@ -65,24 +67,30 @@ class PackagePass(Pass):
 
     name: ClassVar[str] = "package"
     Config = PackageOptions
-    requires = ("lower_onnx",)
-    summary = "model.onnx + model.onnx.data, tokenizer/, runtime.json"
+    requires = ("capture",)
+    summary = "model.onnx + model.onnx.data (or model.pt2 for the torch target), tokenizer/, runtime.json"
 
     def run(self, ctx: BuildContext) -> dict[str, Any]:
-        import onnx
-
-        model = ctx.require("onnx", self.name)
         out = ctx.staging
         out.mkdir(parents=True, exist_ok=True)
-        onnx.save_model(
-            model,
-            str(out / MODEL_FILE),
-            save_as_external_data=True,
-            all_tensors_to_one_file=True,
-            location=WEIGHTS_FILE,
-            size_threshold=self.config.external_data_threshold,
-            convert_attribute=False,
-        )
+        if ctx.recipe.target.backend == "torch":
+            import torch
+
+            torch.export.save(ctx.require("exported", self.name), str(out / TORCH_MODEL_FILE))
+            model_file, weights_file = TORCH_MODEL_FILE, TORCH_MODEL_FILE
+        else:
+            import onnx
+
+            onnx.save_model(
+                ctx.require("onnx", self.name),
+                str(out / MODEL_FILE),
+                save_as_external_data=True,
+                all_tensors_to_one_file=True,
+                location=WEIGHTS_FILE,
+                size_threshold=self.config.external_data_threshold,
+                convert_attribute=False,
+            )
+            model_file, weights_file = MODEL_FILE, WEIGHTS_FILE
         tok_dir = out / "tokenizer"
         tok_dir.mkdir(exist_ok=True)
         for f in ctx.checkpoint.tokenizer_files:
@@ -92,9 +100,9 @@ class PackagePass(Pass):
         )
         files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
         return {
-            "model_file": MODEL_FILE,
-            "weights_file": WEIGHTS_FILE,
-            "weights_bytes": (out / WEIGHTS_FILE).stat().st_size,
+            "model_file": model_file,
+            "weights_file": weights_file,
+            "weights_bytes": (out / weights_file).stat().st_size,
             "tokenizer_files": sorted(f.name for f in ctx.checkpoint.tokenizer_files),
             "files": files,
         }
