@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from compiler.attention import KERNELS
 from compiler.checkpoint import CheckpointError, CheckpointInfo, inspect_checkpoint
 from compiler.passes import PASSES, BuildContext, BuildError, Pass, pass_options
 from compiler.recipe import Recipe, RecipeError, load_recipe
@@ -30,13 +31,13 @@ from runtime.artifact import check_version_unused, write_build_info, write_manif
 log = logging.getLogger(__name__)
 
 TOOL_VERSION = "0.1.0"
-ATTENTION_KERNEL = {
-    "implementation": "paged_attention_standard_ops",
-    "description": "per-token gather of past K/V through block_table + this step's K/V, masked softmax; "
-                   "plain ONNX ops (Gather, Einsum, Softmax)",
-    "variants": "MHA/GQA/MQA, sliding window, qk-norm",
-}
+# The attention kernel of a build without a select_attention pass (the model definition's default).
+ATTENTION_KERNEL = {**KERNELS["decomposed"], "variant": "decomposed", "selected_by": "default (no select_attention pass)"}
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+# (backend, device) pairs this version builds. torch/cpu ships the torch.export program (model.pt2)
+# and runs it with runtime/backends/pytorch.py; GPU targets are refused by plan() with this list.
+BUILDABLE_TARGETS = (("onnxruntime", "cpu"), ("torch", "cpu"))
+TORCH_TARGET_PASSES = ("select_attention", "capture", "package")
 
 
 @dataclass
@@ -54,7 +55,7 @@ def _estimates(recipe: Recipe, info: CheckpointInfo, passes: list[Pass] | None =
     weights = info.num_parameters * nbytes
     sizers = [ps for ps in passes or [] if hasattr(ps, "estimated_bytes")]
     if sizers:  # quantized weights: what the quantize pass stores for each tensor
-        from compiler.quant.state import module_of
+        from compiler.quant.common import module_of
 
         weights = 0
         for name, (_dtype, shape) in info.tensors.items():
@@ -92,11 +93,21 @@ def plan(recipe_path: str | Path) -> Plan:
     except CheckpointError as e:
         raise recipe.error("source.checkpoint", str(e)) from e
     t = recipe.target
-    if (t.backend, t.device) != ("onnxruntime", "cpu"):
+    if (t.backend, t.device) not in BUILDABLE_TARGETS:
         raise recipe.error("target.backend", f"target {t.backend}/{t.device} cannot be built by this version; "
-                           "supported: onnxruntime/cpu")
+                           f"supported: {', '.join(f'{b}/{d}' for b, d in BUILDABLE_TARGETS)}")
     if t.dtype != "float32":
-        raise recipe.error("target.dtype", f"dtype {t.dtype} is not supported for onnxruntime/cpu yet; use float32")
+        raise recipe.error("target.dtype", f"dtype {t.dtype} is not supported for {t.backend}/{t.device} yet; "
+                           "use float32")
+    names = [spec.name for spec in recipe.passes]
+    if t.backend == "torch":  # the artifact is the captured program; ONNX passes do not apply
+        for i, name in enumerate(names):
+            if name not in TORCH_TARGET_PASSES:
+                raise recipe.error(f"passes[{i}].name", f"pass {name!r} does not apply to the torch target "
+                                   f"(its artifact is the torch.export program); passes for it: "
+                                   f"{', '.join(TORCH_TARGET_PASSES)}")
+    elif "lower_onnx" not in names:
+        raise recipe.error("passes", f"target {t.backend}/{t.device} needs 'lower_onnx' in the pass list")
     passes: list[Pass] = []
     seen: set[str] = set()
     for i, spec in enumerate(recipe.passes):
@@ -112,6 +123,9 @@ def plan(recipe_path: str | Path) -> Plan:
         raise recipe.error("passes", "the pass list must end with 'package' (nothing would be written)")
     _check_quantization_order(recipe)
     for i, ps in enumerate(passes):
+        problem = ps.check_recipe(recipe)
+        if problem is not None:
+            raise recipe.error(f"passes[{i}].{problem[0]}", problem[1])
         needs = getattr(ps, "needs_calibration", None)
         if needs is not None and needs() and recipe.calibration is None:
             raise recipe.error(f"passes[{i}].name", f"pass {ps.name!r} needs calibration data: add a 'calibration:' "
@@ -397,10 +411,13 @@ def token_agreement(backend: Any, model: Any, prompts: list[list[int]], n: int) 
     return agree / (b * n), kl / (b * n)
 
 
-def build(recipe_path: str | Path, progress: bool = True, output: str | Path | None = None) -> Path:
+def build(recipe_path: str | Path, progress: bool = True, output: str | Path | None = None,
+          autotune: bool = True) -> Path:
     """Run the recipe; returns the artifact folder. Raises RecipeError/BuildError and leaves nothing.
 
     `output` overrides the recipe's output folder (the artifact goes to <output>/<name>/<version>).
+    `autotune=False` makes passes that measure candidates on this machine use their fixed rule
+    tables instead, so the build is deterministic (byte-reproducible).
     """
     t0 = time.perf_counter()
     p = plan(recipe_path)
@@ -413,6 +430,7 @@ def build(recipe_path: str | Path, progress: bool = True, output: str | Path | N
         shutil.rmtree(staging)
     staging.mkdir(parents=True)
     ctx = BuildContext(recipe=recipe, checkpoint=p.checkpoint, staging=staging)
+    ctx.artifacts["no_autotune"] = not autotune
     timings: dict[str, float] = {}
     try:
         from compiler.checkpoint import source_sha256
@@ -458,6 +476,7 @@ def build(recipe_path: str | Path, progress: bool = True, output: str | Path | N
             "recipe_path": str(Path(recipe_path).resolve()),
             "checkpoint_path": str(recipe.checkpoint),
             "estimates": p.estimates,
+            **ctx.build_info,  # run-to-run facts of the passes (e.g. autotune timings)
         })
         if final.exists():
             final.rmdir()  # check_version_unused allowed only an empty folder
@@ -492,8 +511,9 @@ def _manifest(ctx: BuildContext, src_sha: str, pass_records: list[dict[str, Any]
         "target": {"backend": recipe.target.backend, "device": recipe.target.device, "dtype": recipe.target.dtype,
                    "kv_cache_dtype": ctx.artifacts.get("kv_cache_dtype", recipe.target.dtype)},
         "passes": pass_records,
-        "kernels": {"attention": ATTENTION_KERNEL},
-        "cuda_graphs": {"applies": False, "reason": f"{recipe.target.device} target: no CUDA graphs"},
+        "kernels": {"attention": ctx.artifacts.get("attention_kernel") or ATTENTION_KERNEL},
+        "cuda_graphs": ctx.artifacts.get("cuda_graphs") or {
+            "applies": False, "reason": f"{recipe.target.device} target: no CUDA graphs (no plan_cuda_graphs pass)"},
     }
 
 

@@ -52,7 +52,11 @@ def main(verbose: int) -> None:
 @click.option("--skip-existing", is_flag=True,
               help="If this name/version already exists and verifies intact, report it and exit 0 "
                    "(versions are immutable: it is never rebuilt or overwritten).")
-def build(recipe: Path, dry_run: bool, no_progress: bool, output: Path | None, skip_existing: bool) -> None:
+@click.option("--no-autotune", is_flag=True,
+              help="Choose kernels from a fixed rule table instead of timing candidates on this machine "
+                   "(fast, deterministic: the same recipe gives the same bytes).")
+def build(recipe: Path, dry_run: bool, no_progress: bool, output: Path | None, skip_existing: bool,
+          no_autotune: bool) -> None:
     """Build RECIPE (YAML) into artifacts/<name>/<version>/."""
     from compiler.build import BuildError, RecipeError, plan
     from runtime.artifact import ArtifactError, verify_artifact
@@ -74,7 +78,8 @@ def build(recipe: Path, dry_run: bool, no_progress: bool, output: Path | None, s
 
         t = time.perf_counter()
         try:
-            out = run_build(recipe, progress=not no_progress and sys.stderr.isatty(), output=output)
+            out = run_build(recipe, progress=not no_progress and sys.stderr.isatty(), output=output,
+                            autotune=not no_autotune)
         except QualityGateError as e:
             _fail(f"{e}\nno artifact was written")
             return

@@ -331,7 +331,11 @@ class Artifact:
 
     @property
     def model_path(self) -> Path:
-        return self.root / "model.onnx"
+        """The model file named by runtime.json (model.onnx, or model.pt2 for the torch backend)."""
+        name = self.runtime_config.get("model_file", "model.onnx")
+        if not isinstance(name, str) or "/" in name or "\\" in name or name.startswith("."):
+            raise ArtifactError(f"{self.root / 'runtime.json'}: model_file must be a file name, got {name!r}")
+        return self.root / name
 
     @property
     def tokenizer_dir(self) -> Path:
@@ -380,6 +384,47 @@ def _sha_of(section: Any) -> str:
     return _line(section)
 
 
+def pass_changes(entry: dict[str, Any]) -> str:
+    """One line saying what a pass changed, from its manifest record (nodes before -> after,
+    fusions fired, weights quantized, kernels chosen, plans made); the whole record is in --json."""
+    if entry.get("status") == "skipped":
+        return f"skipped: {entry.get('reason', '-')}"
+    st = entry.get("stats") or {}
+    if not isinstance(st, dict):
+        return _line(st)
+    parts: list[str] = []
+    if "nodes_before" in st and ("nodes_after" in st or "nodes" in st):
+        parts.append(f"nodes {st['nodes_before']} -> {st.get('nodes_after', st.get('nodes'))}")
+    elif "nodes" in st or "graph_nodes" in st:
+        parts.append(f"nodes {st.get('nodes', st.get('graph_nodes'))}")
+    fusions = st.get("fusions")
+    if isinstance(fusions, dict):
+        fired = [f"{k} x{v}" for k, v in fusions.items() if isinstance(v, int) and v]
+        parts.append("fused: " + ", ".join(fired) if fired else "no fusion fired")
+    if "quantized_count" in st:
+        schemes = st.get("schemes") or {}
+        kept = sorted((st.get("not_quantized") or {}).keys())
+        parts.append(f"quantized {st['quantized_count']} weights ({_short(schemes)})"
+                     + (f", float: {', '.join(kept)}" if kept else ""))
+    if st.get("matmulnbits_fused"):
+        parts.append(f"MatMulNBits x{st['matmulnbits_fused']}")
+    if st.get("activation_qdq_pairs"):
+        parts.append(f"activation Q/DQ x{st['activation_qdq_pairs']}")
+    if isinstance(st.get("kv_cache"), dict):
+        parts.append(f"KV cache {st['kv_cache'].get('dtype')}")
+    for key in ("choice", "kernel", "chosen"):
+        if isinstance(st.get(key), str):
+            how = st.get("chosen_by") or st.get("reason") or st.get("by")
+            parts.append(f"chose {st[key]}" + (f" ({how})" if how else ""))
+            break
+    if "decode_buckets" in st:
+        parts.append(f"decode buckets {_short(st['decode_buckets'])}; capturable "
+                     f"{'yes' if st.get('capturable') else 'no'}; applies {'yes' if st.get('applies') else 'no'}")
+    if "weights_bytes" in st:
+        parts.append(f"{len(st.get('files') or [])} files, weights {st['weights_bytes']:,} bytes")
+    return "; ".join(parts) if parts else _line(st, 160)
+
+
 def describe(manifest: dict[str, Any]) -> list[tuple[str, str]]:
     """(label, value) rows summarising a manifest, for ``optimize inspect``."""
     rows: list[tuple[str, str]] = [
@@ -400,12 +445,33 @@ def describe(manifest: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append(("target", _line(target)))
     for i, entry in enumerate(manifest.get("passes") or []):
         if isinstance(entry, dict):
-            rows.append((f"pass {entry.get('name', i)}", _line(entry.get("stats") or "-")))
+            rows.append((f"pass {entry.get('name', i)}", pass_changes(entry)))
         else:
             rows.append((f"pass {i}", _line(entry)))
-    for key, label in (("kernels", "kernels"), ("cuda_graphs", "cuda graphs"), ("quality", "quality")):
-        if key in manifest:
-            rows.append((label, _line(manifest[key])))
+    kernels = manifest.get("kernels")
+    if isinstance(kernels, dict):
+        rows.append(("kernels", ", ".join(
+            f"{k}: {v.get('implementation', _short(v)) if isinstance(v, dict) else v}" for k, v in kernels.items())))
+    elif kernels is not None:
+        rows.append(("kernels", _line(kernels)))
+    cg = manifest.get("cuda_graphs")
+    if isinstance(cg, dict):
+        text = f"{'applies' if cg.get('applies') else 'does not apply'}: {cg.get('reason', '-')}"
+        if "decode_buckets" in cg:
+            text += f"; buckets {_short(cg['decode_buckets'])}, capturable {'yes' if cg.get('capturable') else 'no'}"
+        rows.append(("cuda graphs", text))
+    elif cg is not None:
+        rows.append(("cuda graphs", _line(cg)))
+    quality = manifest.get("quality")
+    if isinstance(quality, dict) and isinstance(quality.get("metrics"), dict):
+        m = quality["metrics"]
+        shown = [f"{label} {_short(m[k])}" for k, label in (
+            ("perplexity", "perplexity"), ("perplexity_increase_pct", "change %"), ("kl_divergence", "KL"),
+            ("token_agreement", "token agreement")) if k in m]
+        rows.append(("quality", f"{'passed' if quality.get('passed') else 'not passed'}: " + ", ".join(shown)
+                     + (f" (bounds: {_short(quality.get('bounds'))})" if quality.get("bounds") else "")))
+    elif quality is not None:
+        rows.append(("quality", _line(quality)))
     files = [f for f in manifest.get("files") or [] if isinstance(f, dict)]
     total = sum(int(f.get("bytes", 0)) for f in files)
     rows.append(("files", f"{len(files)} files, {total:,} bytes ({total / 2**20:.1f} MiB)"))

@@ -15,21 +15,24 @@ DEMO_RECIPE = ROOT / "recipes" / "demo.yaml"
 
 @pytest.fixture(scope="session")
 def demo_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """recipes/demo.yaml built once into a temporary output folder."""
+    """recipes/demo.yaml built once into a temporary output folder, with --no-autotune (the fixed rule
+    table: deterministic; tests/test_cli_build.py builds it once as the README does, autotuning)."""
     from compiler.build import build
 
     out = tmp_path_factory.mktemp("demo-artifacts")
-    return build(DEMO_RECIPE, progress=False, output=out)
+    return build(DEMO_RECIPE, progress=False, output=out, autotune=False)
 
 
 def write_recipe(folder: Path, checkpoint: Path, name: str = "test-model", passes: str | None = None,
-                 extra: str = "", runtime: str | None = None) -> Path:
+                 extra: str = "", runtime: str | None = None, backend: str = "onnxruntime") -> Path:
     """A recipe file for `checkpoint` in `folder` (absolute paths), output to folder/artifacts."""
-    passes = passes or "  - name: capture\n  - name: lower_onnx\n  - name: package\n"
+    default = "  - name: capture\n  - name: package\n" if backend == "torch" else \
+        "  - name: capture\n  - name: lower_onnx\n  - name: package\n"
+    passes = passes or default
     runtime = runtime or ("  kv_block_size: 16\n  num_kv_blocks: 256\n  max_num_seqs: 8\n"
                           "  max_num_batched_tokens: 256\n  max_model_len: 512\n")
     text = (f"name: {name}\nversion: 1.0.0\nsource:\n  checkpoint: {checkpoint}\n"
-            "target:\n  backend: onnxruntime\n  device: cpu\n  dtype: float32\n"
+            f"target:\n  backend: {backend}\n  device: cpu\n  dtype: float32\n"
             f"passes:\n{passes}runtime:\n{runtime}{extra}output: {folder / 'artifacts'}\n")
     path = folder / f"{name}.yaml"
     path.write_text(text, encoding="utf-8")
@@ -59,9 +62,11 @@ def make_random_checkpoint(folder: Path, arch: str, seed: int = 0, **overrides: 
     torch.manual_seed(seed)
     model = getattr(transformers, arch)(cfg).eval()
     with torch.no_grad():  # larger weights than the init so logits are far from uniform
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if p.ndim == 2:
                 p.mul_(4.0)
+            elif name.endswith(".bias"):  # transformers initialises biases to 0 (Qwen2's QKV bias)
+                p.normal_(0.0, 0.5)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder, safe_serialization=True)
     for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):

@@ -19,6 +19,7 @@ from runtime.artifact import (
     check_version_unused,
     describe,
     file_entries,
+    pass_changes,
     read_manifest,
     sha256_file,
     verify_artifact,
@@ -224,11 +225,27 @@ def test_describe(artifact: Path) -> None:
     assert rows["name"] == "pycode-llama-6m" and rows["schema"] == SCHEMA_VERSION
     assert rows["source sha256"] == "ab" * 32 and rows["recipe sha256"] == "cd" * 32
     assert rows["target"] == "onnxruntime cpu float32"
-    assert rows["pass capture"] == "nodes=120"
-    assert rows["kernels"] == "attention=decomposed_paged"
+    assert rows["pass capture"] == "nodes 120"
+    assert rows["kernels"] == "attention: decomposed_paged"
     assert "perplexity=12.25" in rows["quality"]
     assert rows["files"].startswith("4 files, ")
     assert dict(describe({}))["files"].startswith("0 files")
+
+
+def test_pass_changes_say_what_each_pass_did() -> None:
+    fuse = {"name": "fuse", "status": "applied",
+            "stats": {"nodes_before": 515, "nodes_after": 301, "fusions": {"qkv": 6, "rotary": 0, "gate_up": 6}}}
+    assert pass_changes(fuse) == "nodes 515 -> 301; fused: qkv x6, gate_up x6"
+    quant = {"name": "quantize_gptq", "status": "applied", "stats": {
+        "quantized_count": 42, "schemes": {"int4": 42}, "not_quantized": {"lm_head": "ignore pattern"}}}
+    assert pass_changes(quant) == "quantized 42 weights (int4=42), float: lm_head"
+    attn = {"name": "select_attention", "status": "applied", "stats": {"choice": "gqa", "chosen_by": "autotune"}}
+    assert pass_changes(attn) == "chose gqa (autotune)"
+    cg = {"name": "plan_cuda_graphs", "status": "applied",
+          "stats": {"decode_buckets": [1, 2, 4], "capturable": True, "applies": False, "nodes": 9}}
+    assert pass_changes(cg) == "nodes 9; decode buckets 1, 2, 4; capturable yes; applies no"
+    assert pass_changes({"name": "x", "status": "skipped", "reason": "no quantize pass"}) == "skipped: no quantize pass"
+    assert pass_changes({"name": "x", "status": "applied", "stats": {"a": 1}}) == "a=1"
 
 
 def test_import_is_stdlib_only() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 from conftest import DEMO_MODEL, DEMO_RECIPE, ROOT, make_random_checkpoint, write_recipe
 
 CLI = [sys.executable, "-m", "compiler.cli"]
@@ -101,13 +103,22 @@ def test_malformed_recipe_is_refused_with_file_line_and_field(tmp_path: Path, ca
         assert "plan ok" not in res.stdout
 
 
+def test_recipe_checks_and_dry_run_import_neither_torch_nor_onnx() -> None:
+    code = ("import sys; from compiler.build import plan; plan(sys.argv[1]); "
+            "print(sorted(m for m in ('torch', 'onnx', 'onnxruntime', 'onnxscript') if m in sys.modules))")
+    for recipe in sorted((ROOT / "recipes").glob("*.yaml")):
+        res = subprocess.run([sys.executable, "-c", code, str(recipe)], capture_output=True, text=True, cwd=ROOT)
+        assert res.returncode == 0 and res.stdout.strip() == "[]", (recipe.name, res.stdout, res.stderr)
+
+
 def test_dry_run_of_demo_prints_plan_and_estimates() -> None:
     res, wall = run_cli("build", "--dry-run", DEMO_RECIPE)
     assert res.returncode == 0, res.stderr
     out = res.stdout
     lines = out.splitlines()
-    passes = [ln.split()[1] for ln in lines if ln.strip()[:2] in ("1.", "2.", "3.")]
-    assert passes == ["capture", "lower_onnx", "package"], out
+    passes = [m.group(1) for ln in lines if (m := re.match(r"\s+\d+\. (\S+)", ln))]
+    want = [spec["name"] for spec in yaml.safe_load(DEMO_RECIPE.read_text())["passes"]]
+    assert passes == want, out
     for label in ("artifact size", "runtime KV cache", "runtime total"):
         row = next((ln for ln in lines if ln.strip().startswith(label)), None)
         assert row is not None, (label, out)
@@ -118,10 +129,42 @@ def test_dry_run_of_demo_prints_plan_and_estimates() -> None:
 
 
 @pytest.mark.slow
+def test_demo_build_as_in_the_readme_records_passes_kernels_and_timings(tmp_path: Path) -> None:
+    """`optimize build recipes/demo.yaml` (autotune on): the manifest lists every fusion rule's count,
+    the attention candidates and the choice, and the CUDA-graph plan; build.json the candidates'
+    timings; `optimize inspect` says per pass what changed."""
+    res, _wall = run_cli("build", "--no-progress", DEMO_RECIPE, "-o", tmp_path)
+    assert res.returncode == 0, res.stderr
+    artifact = tmp_path / "pycode-llama-6m" / "1.0.0"
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    stats = {p["name"]: p["stats"] for p in manifest["passes"]}
+    assert stats["fuse"]["fusions"] == {"rms_norm": 13, "skip_rms_norm": 11, "qkv": 6, "gate_up": 6, "rotary": 12,
+                                        "quick_gelu": 6}
+    sel = stats["select_attention"]
+    assert sel["reason"] == "autotune" and sel["attention_kind"]["heads"] == "GQA"
+    assert {c["variant"]: c["valid"] for c in sel["candidates"]} == {"decomposed": True, "gqa": True,
+                                                                      "paged_attention": False}
+    assert manifest["kernels"]["attention"]["variant"] == sel["choice"]
+    assert manifest["cuda_graphs"]["decode_buckets"] == [1, 2, 4, 8, 16]
+    tune = json.loads((artifact / "build.json").read_text())["attention_autotune"]
+    assert tune["fastest"] == sel["choice"]
+    for variant in ("decomposed", "gqa"):
+        times = tune["results"][variant]["median_ms"]
+        assert set(times) == {"decode_b1_ctx1024", "decode_b8_ctx1024", "decode_b32_ctx1024", "prefill_512"}
+        assert all(t > 0 for t in times.values())
+    res, _wall = run_cli("inspect", artifact)
+    assert res.returncode == 0, res.stderr
+    rows = {ln.split("  ")[0]: ln for ln in res.stdout.splitlines()}
+    assert f"chose {sel['choice']} (autotune)" in rows["pass select_attention"]
+    assert "nodes 515 -> 359; fused: " in rows["pass fuse"] and "rms_norm x13" in rows["pass fuse"]
+    assert "decode buckets 1, 2, 4, 8, 16; capturable yes" in rows["pass plan_cuda_graphs"]
+
+
+@pytest.mark.slow
 def test_build_is_reproducible(demo_artifact: Path, tmp_path: Path) -> None:
     from compiler.build import build
 
-    again = build(DEMO_RECIPE, progress=False, output=tmp_path / "again")
+    again = build(DEMO_RECIPE, progress=False, output=tmp_path / "again", autotune=False)
     assert again != demo_artifact
     first_manifest = (demo_artifact / "manifest.json").read_bytes()
     assert (again / "manifest.json").read_bytes() == first_manifest

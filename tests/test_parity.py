@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import DEMO_MODEL, make_random_checkpoint, write_recipe
+from conftest import DEMO_MODEL, DEMO_RECIPE, make_random_checkpoint, write_recipe
 
 from compiler.build import build
 from runtime.engine import LLMEngine
@@ -29,14 +29,35 @@ VARIANTS = [(a, {}) for a in ARCHS] + [("MistralForCausalLM", {"sliding_window":
 LOGITS_TOL = 1e-3
 
 
-@pytest.fixture(scope="module", params=VARIANTS, ids=["llama", "mistral", "qwen2", "qwen3", "mistral-sliding"])
+VARIANT_IDS = ["llama", "mistral", "qwen2", "qwen3", "mistral-sliding"]
+# every architecture on both CPU targets: ONNX Runtime (model.onnx) and torch (the torch.export program)
+BACKENDS = ["onnxruntime", "torch"]
+
+
+@pytest.fixture(scope="module", params=[(v, b) for b in BACKENDS for v in range(len(VARIANTS))],
+                ids=[f"{i}-{b}" for b in BACKENDS for i in VARIANT_IDS])
 def random_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """(checkpoint folder, built artifact) for one architecture."""
-    arch, overrides = request.param
+    """(checkpoint folder, built artifact) for one architecture and target backend."""
+    index, backend = request.param
+    arch, overrides = VARIANTS[index]
     folder = tmp_path_factory.mktemp(arch)
-    ckpt = make_random_checkpoint(folder / "ckpt", arch, seed=VARIANTS.index(request.param), **overrides)
-    recipe = write_recipe(folder, ckpt, name=arch.lower())
+    ckpt = make_random_checkpoint(folder / "ckpt", arch, seed=index, **overrides)
+    recipe = write_recipe(folder, ckpt, name=arch.lower(), backend=backend)
     return ckpt, build(recipe, progress=False)
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def demo_any(request: pytest.FixtureRequest, demo_artifact: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo model built for each CPU target (recipes/demo.yaml and recipes/demo-torch.yaml)."""
+    if request.param == "onnxruntime":
+        return demo_artifact
+    folder = tmp_path_factory.mktemp("demo-torch")
+    text = (DEMO_RECIPE.parent / "demo-torch.yaml").read_text(encoding="utf-8")
+    text = text.replace("../models/", f"{DEMO_MODEL.parent}/").replace("max_eval_tokens: 8192", "max_eval_tokens: 1024")
+    text = text.replace("  max_perplexity: 16.0\n", "")  # the card's value holds for 8192 tokens, not the first 1024
+    recipe = folder / "demo-torch.yaml"  # a shorter quality gate (vs. the reference): this module checks parity
+    recipe.write_text(text, encoding="utf-8")
+    return build(recipe, progress=False, output=folder / "out")
 
 
 def hf_model(path: Path) -> transformers.PreTrainedModel:
@@ -160,8 +181,8 @@ DEMO_PROMPTS = [
 ]
 
 
-def test_demo_logits(demo_artifact: Path) -> None:
-    engine = LLMEngine(demo_artifact)
+def test_demo_logits(demo_any: Path) -> None:
+    engine = LLMEngine(demo_any)
     ids = engine.tokenizer.encode(DEMO_PROMPTS[7])
     assert 40 < len(ids) <= 160
     ref = hf_logits(hf_model(DEMO_MODEL), ids)
@@ -169,9 +190,9 @@ def test_demo_logits(demo_artifact: Path) -> None:
     assert np.abs(got - ref).max() < LOGITS_TOL
 
 
-def test_demo_greedy_single_and_batched(demo_artifact: Path) -> None:
+def test_demo_greedy_single_and_batched(demo_any: Path) -> None:
     model = hf_model(DEMO_MODEL)
-    engine = LLMEngine(demo_artifact, max_num_batched_tokens=32, max_num_seqs=8)
+    engine = LLMEngine(demo_any, max_num_batched_tokens=32, max_num_seqs=8)
     prompts = [engine.tokenizer.encode(p) for p in DEMO_PROMPTS]
     assert max(len(p) for p in prompts) > 32  # longer than one prefill chunk
     want = [hf_greedy(model, p, 32) for p in prompts]

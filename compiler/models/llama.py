@@ -10,6 +10,11 @@ a paged attention written in standard ops (so it exports to plain ONNX):
 The forward returns the logits of the `logits_index` tokens and each layer's new K/V ([T, kv_heads,
 head_dim]); the runtime scatters those into its pool at `slot_mapping` after the step, so the graph
 never copies the pool. Weights load from Hugging Face names.
+
+`attention` picks the attention variant (compiler/attention/, chosen by the select_attention pass):
+"decomposed" is the paged attention above in standard ops; "gqa" and "paged_attention" call a
+custom op over the same packed tokens and pools whose ONNX translation is ONNX Runtime's
+GroupQueryAttention or PagedAttention contrib op (q/k norm and RoPE stay in our graph).
 """
 
 from __future__ import annotations
@@ -64,9 +69,15 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+ATTENTION_VARIANTS = ("decomposed", "gqa", "paged_attention")
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, variant: str = "decomposed") -> None:
         super().__init__()
+        if variant not in ATTENTION_VARIANTS:
+            raise ValueError(f"unknown attention variant {variant!r}; known: {', '.join(ATTENTION_VARIANTS)}")
+        self.variant = variant
         self.h, self.kvh, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_proj = nn.Linear(cfg.hidden_size, self.h * self.d, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, self.kvh * self.d, bias=cfg.qkv_bias)
@@ -98,6 +109,8 @@ class Attention(nn.Module):
         cos_, sin_ = cos.unsqueeze(1), sin.unsqueeze(1)
         q = q * cos_ + _rotate_half(q) * sin_
         k = k * cos_ + _rotate_half(k) * sin_
+        if self.variant != "decomposed":
+            return self._fused(q, k, v, ctx, k_cache, v_cache), k, v
 
         group = self.h // self.kvh
         qg = q.view(t, self.kvh, group, self.d)
@@ -119,6 +132,19 @@ class Attention(nn.Module):
         out = torch.matmul(probs[..., :lp], vp) + out_new  # [T, kvh, g, d]
         return self.o_proj(out.reshape(t, self.h * self.d)), k, v
 
+    def _fused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext,
+               k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """The contrib-op variants: one custom op over the packed tokens (compiler/attention/ops.py)."""
+        from compiler.attention.ops import OPS
+
+        t = q.shape[0]
+        out = OPS[self.variant](
+            q.reshape(t, self.h * self.d), k.reshape(t, self.kvh * self.d), v.reshape(t, self.kvh * self.d),
+            k_cache, v_cache, ctx.cu_seqlens, ctx.past_lens, ctx.block_table,
+            self.h, self.kvh, self.d, ctx.block_size, self.window or 0, self.scale,
+        )
+        return self.o_proj(out)
+
 
 class AttentionContext:
     """Index tensors shared by all layers of one step (computed once from the ForwardBatch)."""
@@ -131,7 +157,13 @@ class AttentionContext:
         block_table: torch.Tensor,
         block_size: int,
         num_kv_heads: int,
+        indices: bool = True,  # False: the fused variants, which read only the ForwardBatch arrays below
     ) -> None:
+        self.cu_seqlens, self.past_lens, self.block_table = cu_seqlens, past_lens, block_table
+        self.block_size = block_size
+        if not indices:
+            self.positions = positions
+            return
         t = positions.shape[0]
         tok = torch.arange(t, dtype=torch.int64)
         ends = cu_seqlens[1:].to(torch.int64)
@@ -176,10 +208,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, attention: str = "decomposed") -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer)
+        self.self_attn = Attention(cfg, layer, attention)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
@@ -187,12 +219,13 @@ class DecoderLayer(nn.Module):
 class LlamaForwardBatchModel(nn.Module):
     """Llama/Mistral/Qwen2/Qwen3 decoder taking the ForwardBatch arrays plus the per-layer KV pools."""
 
-    def __init__(self, cfg: ModelConfig, block_size: int) -> None:
+    def __init__(self, cfg: ModelConfig, block_size: int, attention: str = "decomposed") -> None:
         super().__init__()
         self.cfg = cfg
         self.block_size = block_size
+        self.attention = attention
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList([DecoderLayer(cfg, i) for i in range(cfg.num_layers)])
+        self.layers = nn.ModuleList([DecoderLayer(cfg, i, attention) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
@@ -212,7 +245,8 @@ class LlamaForwardBatchModel(nn.Module):
         freqs = positions.to(torch.float32).unsqueeze(1) * self.inv_freq.unsqueeze(0)
         emb = torch.cat([freqs, freqs], dim=-1)
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-        ctx = AttentionContext(positions, cu_seqlens, past_lens, block_table, self.block_size, cfg.num_kv_heads)
+        ctx = AttentionContext(positions, cu_seqlens, past_lens, block_table, self.block_size, cfg.num_kv_heads,
+                               indices=self.attention == "decomposed")
         new_kv: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
             h, k, v = layer.self_attn(layer.input_layernorm(x), cos, sin, ctx, kv_cache[2 * i], kv_cache[2 * i + 1])

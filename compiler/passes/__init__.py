@@ -4,18 +4,23 @@ from __future__ import annotations
 
 from compiler.passes.base import BuildContext, BuildError, Pass
 from compiler.passes.capture import CapturePass
+from compiler.passes.fuse import FusePass
 from compiler.passes.lower_onnx import LowerOnnxPass
 from compiler.passes.lower_quant import LowerQuantPass
 from compiler.passes.package import PackagePass
+from compiler.passes.plan_cuda_graphs import PlanCudaGraphsPass
 from compiler.passes.quantize_awq import QuantizeAwqPass
 from compiler.passes.quantize_fp8 import QuantizeFp8Pass
 from compiler.passes.quantize_gptq import QuantizeGptqPass
 from compiler.passes.quantize_kv_cache import QuantizeKvCachePass
 from compiler.passes.quantize_rtn import QuantizeRtnPass
+from compiler.passes.select_attention import SelectAttentionPass
 
 PASSES: dict[str, type[Pass]] = {
     p.name: p
     for p in (
+        # attention-variant selection (before capture: it picks the model definition's attention)
+        SelectAttentionPass,
         # capture
         CapturePass,
         # quantization (after capture, before lower_onnx; lower_quant writes the quantized form)
@@ -27,6 +32,9 @@ PASSES: dict[str, type[Pass]] = {
         # lowering
         LowerOnnxPass,
         LowerQuantPass,
+        FusePass,
+        # planning (on the final graph)
+        PlanCudaGraphsPass,
         # packaging
         PackagePass,
     )

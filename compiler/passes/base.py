@@ -56,6 +56,11 @@ class Pass:
     def __init__(self, config: Any) -> None:
         self.config = config
 
+    def check_recipe(self, recipe: Recipe) -> tuple[str, str] | None:
+        """(field under this pass, message) when the options do not fit the rest of the recipe; checked
+        by plan() before any work, so the error names the recipe line."""
+        return None
+
     def skip_reason(self, ctx: BuildContext) -> str | None:
         """None when the pass applies to this build's target; else the reason it does nothing."""
         return None

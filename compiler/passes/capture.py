@@ -2,6 +2,8 @@
 
 The traced graph has the ForwardBatch interface (dynamic token, sequence, block and pool
 dimensions) plus the per-layer KV pools as inputs, and logits plus each layer's new K/V as outputs.
+The attention variant is the select_attention pass's choice (ctx.artifacts["attention"]), else the
+decomposed paged attention in standard ops.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from compiler.passes.base import BuildContext, BuildError, Pass
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_DTYPES = {("onnxruntime", "cpu"): ("float32",)}
+SUPPORTED_DTYPES = {("onnxruntime", "cpu"): ("float32",), ("torch", "cpu"): ("float32",)}
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,22 @@ def example_inputs(cfg: Any, block_size: int, dtype: Any) -> tuple[tuple[Any, ..
     return args + kv, dynamic
 
 
+def attention_variant(ctx: BuildContext) -> str:
+    """The attention variant chosen by select_attention (default: decomposed)."""
+    choice = ctx.artifacts.get("attention")
+    return choice["variant"] if choice else "decomposed"
+
+
+def export_forward_batch(model: Any, cfg: Any, block_size: int, dtype: Any, strict: bool = False) -> Any:
+    """torch.export of a LlamaForwardBatchModel with the ForwardBatch's dynamic shapes (also used by the
+    attention autotuner on a one-layer model)."""
+    import torch
+
+    args, dynamic = example_inputs(cfg, block_size, dtype)
+    with torch.no_grad():
+        return torch.export.export(model, args, dynamic_shapes=dynamic, strict=strict), args
+
+
 class CapturePass(Pass):
     """Trace our model definition into a torch.export graph with the ForwardBatch interface."""
 
@@ -82,28 +100,29 @@ class CapturePass(Pass):
         if allowed is None or target.dtype not in allowed:
             raise BuildError(
                 f"target {target.backend}/{target.device}/{target.dtype} is not supported by this build; "
-                f"supported: onnxruntime/cpu/float32"
+                f"supported: {', '.join('/'.join(k) + '/' + '|'.join(v) for k, v in SUPPORTED_DTYPES.items())}"
             )
         cfg = ctx.checkpoint.config
         block_size = ctx.recipe.runtime.kv_block_size
         dtype = getattr(torch, target.dtype)
         torch.manual_seed(0)
-        model = LlamaForwardBatchModel(cfg, block_size)
+        variant = attention_variant(ctx)
+        model = LlamaForwardBatchModel(cfg, block_size, attention=variant)
         unused = model.load_hf_state_dict(load_weights(ctx.checkpoint), dtype)
         if unused:
             log.info("checkpoint tensors not used by the model definition: %s", ", ".join(unused[:8]))
         model.eval()
-        args, dynamic = example_inputs(cfg, block_size, dtype)
         try:
-            with torch.no_grad():
-                exported = torch.export.export(model, args, dynamic_shapes=dynamic, strict=self.config.strict)
+            exported, args = export_forward_batch(model, cfg, block_size, dtype, self.config.strict)
         except Exception as e:  # torch.export's errors are long; keep the first line in ours
             raise BuildError(f"torch.export failed: {str(e).splitlines()[0]}") from e
         ctx.artifacts["model"] = model
         ctx.artifacts["exported"] = exported
         ctx.artifacts["example_inputs"] = args
         n_params = sum(p.numel() for p in model.parameters())
+        extra = {"attention": variant} if "attention" in ctx.artifacts else {}
         return {
+            **extra,
             "architecture": cfg.architecture,
             "parameters": n_params,
             "graph_nodes": len(exported.graph.nodes),

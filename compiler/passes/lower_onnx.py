@@ -2,7 +2,8 @@
 
 Uses the torch.onnx dynamo exporter (graph already captured), runs its optimizer (constant folding,
 dead code), then strips the exporter's per-node metadata (stack traces with absolute paths, FX
-node text) so that the same recipe and checkpoint give byte-identical model files.
+node text) so that the same recipe and checkpoint give byte-identical model files. A fused attention
+variant (select_attention) is translated to its contrib op (compiler/attention/lowering.py).
 """
 
 from __future__ import annotations
@@ -60,6 +61,51 @@ def strip_metadata(model: Any) -> None:
             node.doc_string = ""
 
 
+def lower_exported(exported: Any, num_layers: int, opset: int = 21, optimize: bool = True,
+                   attention: str = "decomposed") -> Any:
+    """torch.onnx export of a captured ForwardBatch graph -> ModelProto with metadata stripped (also used
+    by the attention autotuner). Raises BuildError."""
+    import torch
+
+    from compiler.attention.lowering import drop_unused_outputs, translation_table
+
+    inputs, outputs = graph_io_names(num_layers)
+    table = translation_table(attention)
+    extra = {"custom_translation_table": table} if table else {}
+    chatter = io.StringIO()  # the exporter prints its progress; keep it for the debug log
+    try:
+        with contextlib.redirect_stdout(chatter), warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+            program = torch.onnx.export(
+                exported,
+                (),
+                input_names=inputs,
+                output_names=outputs,
+                opset_version=opset,
+                dynamo=True,
+                optimize=optimize,
+                verify=False,
+                report=False,
+                **extra,
+            )
+    except Exception as e:
+        raise BuildError(f"ONNX lowering failed: {str(e).splitlines()[0]}") from e
+    finally:
+        log.debug("torch.onnx.export output:\n%s", chatter.getvalue())
+    model = program.model_proto
+    if table:
+        drop_unused_outputs(model)
+    strip_metadata(model)
+    model.producer_name = "optimize"
+    model.producer_version = ""
+    got_in = [i.name for i in model.graph.input]
+    got_out = [o.name for o in model.graph.output]
+    if got_in != inputs or got_out != outputs:
+        raise BuildError(f"lowered graph has inputs {got_in} / outputs {got_out}, expected {inputs} / {outputs}")
+    return model
+
+
 class LowerOnnxPass(Pass):
     """Translate the captured graph to ONNX (opset >= 21) with named ForwardBatch inputs and outputs."""
 
@@ -70,40 +116,15 @@ class LowerOnnxPass(Pass):
 
     def run(self, ctx: BuildContext) -> dict[str, Any]:
         import onnx
-        import torch
+
+        from compiler.passes.capture import attention_variant
 
         if self.config.opset < 21:
             raise BuildError(f"lower_onnx: opset {self.config.opset} < 21 is not supported")
         exported = ctx.require("exported", self.name)
         inputs, outputs = graph_io_names(ctx.checkpoint.config.num_layers)
-        chatter = io.StringIO()  # the exporter prints its progress; keep it for the debug log
-        try:
-            with contextlib.redirect_stdout(chatter), warnings.catch_warnings():
-                warnings.simplefilter("ignore", FutureWarning)
-                logging.getLogger("torch.onnx").setLevel(logging.ERROR)
-                program = torch.onnx.export(
-                    exported,
-                    (),
-                    input_names=inputs,
-                    output_names=outputs,
-                    opset_version=self.config.opset,
-                    dynamo=True,
-                    optimize=self.config.optimize,
-                    verify=False,
-                    report=False,
-                )
-        except Exception as e:
-            raise BuildError(f"ONNX lowering failed: {str(e).splitlines()[0]}") from e
-        finally:
-            log.debug("torch.onnx.export output:\n%s", chatter.getvalue())
-        model = program.model_proto
-        strip_metadata(model)
-        model.producer_name = "optimize"
-        model.producer_version = ""
-        got_in = [i.name for i in model.graph.input]
-        got_out = [o.name for o in model.graph.output]
-        if got_in != inputs or got_out != outputs:
-            raise BuildError(f"lowered graph has inputs {got_in} / outputs {got_out}, expected {inputs} / {outputs}")
+        model = lower_exported(exported, ctx.checkpoint.config.num_layers, self.config.opset, self.config.optimize,
+                               attention_variant(ctx))
         ctx.artifacts["onnx"] = model
         ops = Counter(n.op_type for n in model.graph.node)
         return {

@@ -1,0 +1,107 @@
+"""Attention variants: which implementations can run a model's attention on a target, and their facts.
+
+Variants (the model definition's `attention=`, compiler/models/llama.py):
+
+- `decomposed`: paged attention in standard ONNX ops (per-token gather of the past through the
+  block table, masked softmax). Any ONNX Runtime target.
+- `gqa`: ONNX Runtime's com.microsoft.GroupQueryAttention fed per-sequence past K/V gathered from
+  the pool and right-padded chunks (`query_seqlens`, ONNX Runtime >= 1.32), see lowering.py.
+- `paged_attention`: ONNX Runtime's com.microsoft.PagedAttention (CUDA kernel only, float16/bfloat16),
+  reading and writing our pools directly. Built and schema-validated here; never run on CPU.
+
+`candidates()` says for a model config and target which are valid and, when not, why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+VARIANTS = ("decomposed", "gqa", "paged_attention")
+
+KERNELS: dict[str, dict[str, str]] = {
+    "decomposed": {
+        "implementation": "paged_attention_standard_ops",
+        "description": "per-token gather of past K/V through block_table + this step's K/V, masked softmax; "
+                       "plain ONNX ops (Gather, MatMul, Softmax)",
+    },
+    "gqa": {
+        "implementation": "com.microsoft.GroupQueryAttention",
+        "description": "per-sequence gather of past K/V through block_table into BNSH, right-padded chunks "
+                       "(query_seqlens), GroupQueryAttention, valid rows gathered back to packed tokens",
+    },
+    "paged_attention": {
+        "implementation": "com.microsoft.PagedAttention",
+        "description": "packed tokens over the paged KV pools (cumulative_sequence_length, past_seqlens, "
+                       "block_table); ONNX Runtime CUDA only",
+    },
+}
+
+# ONNX Runtime element types of each contrib op's T (query/key/value/output)
+_OP_DTYPES = {"gqa": ("float32", "float16", "bfloat16"), "paged_attention": ("float16", "bfloat16")}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    variant: str
+    valid: bool
+    reason: str
+
+    def record(self) -> dict[str, Any]:
+        return {"variant": self.variant, "valid": self.valid, "reason": self.reason}
+
+
+def attention_kind(cfg: Any) -> dict[str, Any]:
+    """The model's attention facts: MHA / GQA / MQA, sliding windows, q/k norm, QKV bias."""
+    h, kvh = cfg.num_heads, cfg.num_kv_heads
+    heads = "MHA" if h == kvh else "MQA" if kvh == 1 else "GQA"
+    windows = sorted({w for w in cfg.sliding_windows if w is not None})
+    return {
+        "heads": heads,
+        "num_heads": h,
+        "num_kv_heads": kvh,
+        "head_dim": cfg.head_dim,
+        "sliding_window": windows[0] if len(windows) == 1 else (windows or None),
+        "sliding_window_layers": sum(w is not None for w in cfg.sliding_windows),
+        "qk_norm": bool(cfg.qk_norm),
+        "qkv_bias": bool(cfg.qkv_bias),
+    }
+
+
+def candidates(cfg: Any, backend: str, device: str, dtype: str, pass_names: list[str] | tuple[str, ...] = ()
+               ) -> list[Candidate]:
+    """Each variant, valid or not for this model and target, with the reason."""
+    if backend == "onnxruntime":
+        out = [Candidate("decomposed", True, "standard ONNX ops")]
+    elif backend == "torch":
+        out = [Candidate("decomposed", True, "standard torch ops (the torch.export program)")]
+    else:
+        out = [Candidate("decomposed", False, f"no lowering of the decomposed path to {backend} yet")]
+    quant_kv = "quantize_kv_cache" in pass_names
+    if cfg.num_heads % cfg.num_kv_heads:
+        why = f"num_heads {cfg.num_heads} is not a multiple of num_kv_heads {cfg.num_kv_heads}"
+        return out + [Candidate("gqa", False, why), Candidate("paged_attention", False, why)]
+    if backend != "onnxruntime":
+        why = f"ONNX Runtime contrib op, not available on the {backend} backend"
+        out.append(Candidate("gqa", False, why))
+    elif dtype not in _OP_DTYPES["gqa"]:
+        out.append(Candidate("gqa", False, f"GroupQueryAttention takes no {dtype}"))
+    elif quant_kv:
+        out.append(Candidate("gqa", True, f"GroupQueryAttention, {dtype}, over the past dequantized after the "
+                             "pool gather (quantize_kv_cache rewrites the same flat row Gather as the decomposed path)"))
+    else:
+        out.append(Candidate("gqa", True, f"GroupQueryAttention CPU/CUDA kernel, {dtype}, query_seqlens "
+                             "(right-padded chunks) over per-sequence past gathered from the pool"))
+    if backend != "onnxruntime" or device != "cuda":
+        out.append(Candidate("paged_attention", False, "CUDA only (ONNX Runtime has no CPU kernel for PagedAttention)"))
+    elif dtype not in _OP_DTYPES["paged_attention"]:
+        out.append(Candidate("paged_attention", False, f"PagedAttention takes float16/bfloat16, not {dtype}"))
+    elif quant_kv:
+        out.append(Candidate("paged_attention", False, "quantized KV cache: per-head scales are not expressible as "
+                             "PagedAttention's k_scale/v_scale without a new lowering"))
+    else:
+        out.append(Candidate("paged_attention", True, "PagedAttention CUDA kernel over the pools"))
+    return out
+
+
+__all__ = ["KERNELS", "VARIANTS", "Candidate", "attention_kind", "candidates"]

@@ -1,0 +1,45 @@
+"""ONNX fusion rules for the ONNX Runtime target (the `fuse` pass, compiler/passes/fuse.py).
+
+Rules, in the order they run (each can be turned off):
+
+| rule            | rewrites                                                    | implementation                 |
+|-----------------|-------------------------------------------------------------|--------------------------------|
+| `rms_norm`      | RMSNorm subgraph -> SimplifiedLayerNormalization            | onnxscript ort_fusions (as is) |
+| `skip_rms_norm` | residual Add + SimplifiedLayerNormalization                 | onnxscript SkipRmsNorm pattern,|
+|                 |   -> com.microsoft.SkipSimplifiedLayerNormalization         |   shape check for [T, D]       |
+| `qkv`           | q/k/v projections of one input -> one Gemm/MatMul/MatMulNBits + Split | fusion/projections.py |
+| `gate_up`       | gate/up projections -> one node + Split                     | fusion/projections.py          |
+| `rotary`        | rotate-half RoPE -> com.microsoft.RotaryEmbedding + cos/sin caches | fusion/rotary.py        |
+| `quick_gelu`    | x * Sigmoid(x) -> com.microsoft.QuickGelu(alpha=1)          | fusion/activation.py           |
+
+`fuse_model` applies them and returns the new model with statistics. Everything is deterministic:
+rules visit nodes in graph order, new names derive from existing ones (`Graph.unique`), caches are
+computed, not sampled, and initializers are written sorted by name.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    import onnx
+
+RULES: tuple[str, ...] = ("rms_norm", "skip_rms_norm", "qkv", "gate_up", "rotary", "quick_gelu")
+
+
+def fuse_model(model: onnx.ModelProto, rules: Any, rope_cache_rows: int) -> tuple[onnx.ModelProto, dict[str, Any]]:
+    """Apply `rules` (names from RULES, run in RULES order); returns (model, stats). The returned model
+    may be a new ModelProto (the onnxscript rules go through onnx_ir). (compiler/fusion/pipeline.py)"""
+    from compiler.fusion.pipeline import fuse_model as run
+
+    return run(model, rules, rope_cache_rows)
+
+
+def check_model(model: onnx.ModelProto, onnxruntime_session: bool = True) -> dict[str, Any]:
+    """onnx.checker (full) on the standard part, then an ONNX Runtime session; raises on failure."""
+    from compiler.fusion.pipeline import check_model as run
+
+    return run(model, onnxruntime_session)
+
+
+__all__ = ["RULES", "check_model", "fuse_model"]

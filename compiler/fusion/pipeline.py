@@ -1,0 +1,150 @@
+"""The fusion driver: runs the rules of compiler/fusion/ in order, counts, cleans up, checks (see
+compiler/fusion/__init__.py)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import onnx
+
+from compiler.fusion import RULES
+from compiler.fusion.graph import MS_DOMAIN, FusionGraph, RuleReport
+
+IMPLEMENTATION = {
+    "rms_norm": "onnxscript.rewriter.ort_fusions.rms_normalization",
+    "skip_rms_norm": "onnxscript.rewriter.ort_fusions.skip_normalization (SkipRmsNorm; rank-2 shape check: "
+                     "compiler/fusion/norm.py)",
+    "qkv": "compiler/fusion/projections.py",
+    "gate_up": "compiler/fusion/projections.py",
+    "rotary": "compiler/fusion/rotary.py",
+    "quick_gelu": "compiler/fusion/activation.py",
+}
+# ONNX Runtime registers SimplifiedLayerNormalization in the default domain (opset 1): onnx's
+# checker does not know it, so the standard check treats it as a contrib op (see check_model).
+DEFAULT_DOMAIN_CONTRIB_OPS = ("SimplifiedLayerNormalization",)
+
+
+def fuse_model(model: onnx.ModelProto, rules: Sequence[str], rope_cache_rows: int
+               ) -> tuple[onnx.ModelProto, dict[str, Any]]:
+    """Apply `rules` (names from RULES, run in RULES order); returns (model, stats).
+
+    The returned model may be a new ModelProto (the onnxscript rules go through onnx_ir)."""
+    unknown = sorted(set(rules) - set(RULES))
+    if unknown:
+        raise ValueError(f"unknown fusion rule(s) {unknown}; known: {list(RULES)}")
+    enabled = [r for r in RULES if r in rules]
+    nodes_before = len(model.graph.node)
+    io_before = ([i.name for i in model.graph.input], [o.name for o in model.graph.output])
+    reports: dict[str, RuleReport] = {r: RuleReport() for r in RULES}
+
+    if "rms_norm" in enabled or "skip_rms_norm" in enabled:
+        model = _onnxscript_rules(model, enabled, reports)
+    g = FusionGraph(model)
+    from compiler.fusion.activation import fuse_quick_gelu
+    from compiler.fusion.projections import fuse_projections
+    from compiler.fusion.rotary import fuse_rotary
+
+    for rule in ("qkv", "gate_up"):
+        if rule in enabled:
+            reports[rule] = fuse_projections(g, rule)
+    if "rotary" in enabled:
+        reports["rotary"] = fuse_rotary(g, rope_cache_rows)
+    if "quick_gelu" in enabled:
+        reports["quick_gelu"] = fuse_quick_gelu(g)
+    _drop_unused_optional_outputs(g)
+    g.remove_dead()
+    if any(n.domain == MS_DOMAIN for n in g.nodes):
+        g.ensure_opset(MS_DOMAIN, 1)
+    g.commit()
+    if ([i.name for i in model.graph.input], [o.name for o in model.graph.output]) != io_before:
+        raise AssertionError("fusion changed the graph inputs or outputs")  # pragma: no cover
+    ops = Counter((f"{n.domain}." if n.domain not in ("", "ai.onnx") else "") + n.op_type for n in model.graph.node)
+    stats: dict[str, Any] = {
+        "rules": enabled,
+        "disabled": [r for r in RULES if r not in enabled],
+        "fusions": {r: reports[r].fired for r in RULES},
+        "nodes_before": nodes_before,
+        "nodes_after": len(model.graph.node),
+        "op_types": dict(sorted(ops.items())),
+        "implementation": {r: IMPLEMENTATION[r] for r in enabled},
+    }
+    not_fused = {r: dict(sorted(reports[r].not_fused.items())) for r in RULES if reports[r].not_fused}
+    if not_fused:
+        stats["not_fused"] = not_fused
+    if "rotary" in enabled and reports["rotary"].fired:
+        stats["rotary_cache_rows"] = rope_cache_rows
+    return model, stats
+
+
+def _onnxscript_rules(model: onnx.ModelProto, enabled: list[str], reports: dict[str, RuleReport]) -> onnx.ModelProto:
+    import onnx_ir as ir
+
+    from compiler.fusion.norm import fuse_rms, fuse_skip_rms
+
+    irm = ir.serde.deserialize_model(model)
+    if "rms_norm" in enabled:
+        reports["rms_norm"].fired = fuse_rms(irm)
+    if "skip_rms_norm" in enabled:
+        if "rms_norm" not in enabled:
+            reports["skip_rms_norm"].miss("*", "needs the rms_norm rule (it matches SimplifiedLayerNormalization)")
+        else:
+            reports["skip_rms_norm"].fired = fuse_skip_rms(irm)
+    out = ir.serde.serialize_model(irm)
+    # keep what the onnx_ir round trip does not need to change
+    out.producer_name, out.producer_version = model.producer_name, model.producer_version
+    return out
+
+
+def _drop_unused_optional_outputs(g: FusionGraph) -> None:
+    """SkipSimplifiedLayerNormalization's mean / inv_std_var outputs: unnamed when nothing reads them."""
+    used = {x for n in g.nodes for x in n.input} | g.graph_outputs
+    for n in g.nodes:
+        if n.op_type == "SkipSimplifiedLayerNormalization" and n.domain == MS_DOMAIN:
+            for i in (1, 2):
+                if i < len(n.output) and n.output[i] and n.output[i] not in used:
+                    n.output[i] = ""
+
+
+@contextlib.contextmanager
+def _contrib_domain(model: onnx.ModelProto) -> Iterator[None]:
+    """Temporarily move default-domain ONNX Runtime contrib ops to com.microsoft (for onnx.checker)."""
+    moved = [n for n in model.graph.node if n.domain in ("", "ai.onnx") and n.op_type in DEFAULT_DOMAIN_CONTRIB_OPS]
+    added = False
+    if moved and not any(o.domain == MS_DOMAIN for o in model.opset_import):
+        model.opset_import.append(onnx.helper.make_opsetid(MS_DOMAIN, 1))
+        added = True
+    for n in moved:
+        n.domain = MS_DOMAIN
+    try:
+        yield
+    finally:
+        for n in moved:
+            n.domain = ""
+        if added:
+            del model.opset_import[-1]
+
+
+def check_model(model: onnx.ModelProto, onnxruntime_session: bool = True) -> dict[str, Any]:
+    """onnx.checker (full: strict shape inference) on the standard part, then an ONNX Runtime session.
+
+    The checker validates every node of the default domain against its schema and skips
+    com.microsoft ops (no schema in onnx); SimplifiedLayerNormalization, which ONNX Runtime keeps in
+    the default domain, is checked as a contrib op. Raises on failure; returns what was checked."""
+    if model.ByteSize() >= 2**31 - 1:  # protobuf limit: both checks need the model serialized in memory
+        return {"skipped": "model over 2 GiB in memory: onnx.checker and the session check need a file"}
+    with _contrib_domain(model):
+        onnx.checker.check_model(model, full_check=True)
+    out: dict[str, Any] = {"onnx_checker": "full_check (contrib ops: not in onnx's schema set)"}
+    if onnxruntime_session:
+        import onnxruntime as ort
+
+        so = ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        so.intra_op_num_threads = 1
+        ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        out["onnxruntime_session"] = "loads (CPUExecutionProvider)"
+    return out
+
