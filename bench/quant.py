@@ -22,7 +22,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = {
-    "fp32 (demo)": "demo.yaml",
+    "fp32": "demo.yaml",  # without select_attention / fuse / plan_cuda_graphs, like the quantized recipes
     "int4 rtn": "demo-int4-rtn.yaml",
     "int4 awq": "demo-int4-awq.yaml",
     "int4 gptq": "demo-int4-gptq.yaml",
@@ -39,6 +39,20 @@ PROMPTS = [
     "x = ",
     "class Error(Exception):\n",
 ]
+
+
+def unfused_demo(out: Path) -> Path:
+    """recipes/demo.yaml without the select_attention, fuse and plan_cuda_graphs passes (the example
+    quantization recipes do not run them), named pycode-llama-6m-fp32, written under `out`."""
+    text = (ROOT / "recipes" / "demo.yaml").read_text(encoding="utf-8")
+    keep = [ln for ln in text.splitlines()
+            if not any(ln.strip().startswith(f"- name: {p}") for p in ("select_attention", "fuse", "plan_cuda_graphs"))]
+    text = "\n".join(keep).replace("name: pycode-llama-6m\n", "name: pycode-llama-6m-fp32\n", 1)
+    text = text.replace("../models/", f"{ROOT}/models/").replace("output: ../artifacts", f"output: {out}")
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "demo-fp32.yaml"
+    path.write_text(text + "\n", encoding="utf-8")
+    return path
 
 
 def weight_bytes(artifact: Path) -> tuple[int, int]:
@@ -91,6 +105,8 @@ def main() -> None:
         if args.only and method not in args.only:
             continue
         recipe = ROOT / "recipes" / recipe_file
+        if recipe_file == "demo.yaml":  # the same pass list as the quantization recipes: no fusion
+            recipe = unfused_demo(args.out)
         p = plan(recipe)
         artifact = args.out / p.recipe.name / p.recipe.version
         if not (args.reuse and (artifact / "manifest.json").is_file()):
