@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from compiler.passes.base import BuildContext, Pass
-from compiler.quant.common import check_group_size, int4_bytes, matches
+from compiler.quant.common import Int4WeightSizes, check_group_size, matches
 
 if TYPE_CHECKING:  # pragma: no cover
     from compiler.quant.calibration import LayerRunner
@@ -48,7 +48,7 @@ class AwqOptions:
             raise ValueError("n_grid and clip_tokens must be >= 1 and max_shrink in [0, 1)")
 
 
-class QuantizeAwqPass(Pass):
+class QuantizeAwqPass(Int4WeightSizes, Pass):
     """INT4 weight-only AWQ: activation-aware scale search and clipping search, then round to nearest."""
 
     name: ClassVar[str] = "quantize_awq"
@@ -56,12 +56,6 @@ class QuantizeAwqPass(Pass):
     requires = ("capture",)
     summary = "INT4 weight-only AWQ (scale + clip search on calibration data), asymmetric, per group"
     quant_kind: ClassVar[str] = "weights"
-
-    def estimated_bytes(self, module: str, shape: tuple[int, ...], kind: str | None) -> int | None:
-        """Stored bytes of a checkpoint tensor after this pass (None: left as it is), for the dry run."""
-        if kind != "linear" or matches(module, self.config.ignore):
-            return None
-        return int4_bytes(shape, self.config.group_size)
 
     def needs_calibration(self) -> bool:
         return True

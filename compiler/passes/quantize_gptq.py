@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from compiler.passes.base import BuildContext, BuildError, Pass
-from compiler.quant.common import check_group_size, int4_bytes, matches
+from compiler.quant.common import Int4WeightSizes, check_group_size
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class GptqOptions:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
 
 
-class QuantizeGptqPass(Pass):
+class QuantizeGptqPass(Int4WeightSizes, Pass):
     """INT4 weight-only GPTQ with Hessians from calibration inputs, layer by layer."""
 
     name: ClassVar[str] = "quantize_gptq"
@@ -52,12 +52,6 @@ class QuantizeGptqPass(Pass):
     requires = ("capture",)
     summary = "INT4 weight-only GPTQ (Hessian from calibration inputs), asymmetric, per group"
     quant_kind: ClassVar[str] = "weights"
-
-    def estimated_bytes(self, module: str, shape: tuple[int, ...], kind: str | None) -> int | None:
-        """Stored bytes of a checkpoint tensor after this pass (None: left as it is), for the dry run."""
-        if kind != "linear" or matches(module, self.config.ignore):
-            return None
-        return int4_bytes(shape, self.config.group_size)
 
     def needs_calibration(self) -> bool:
         return True

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from compiler.passes.base import BuildContext, Pass
-from compiler.quant.common import check_group_size, int4_bytes, matches
+from compiler.quant.common import Int4WeightSizes, check_group_size
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ class RtnOptions:
         check_group_size(self.group_size)
 
 
-class QuantizeRtnPass(Pass):
+class QuantizeRtnPass(Int4WeightSizes, Pass):
     """INT4 weight-only, round-to-nearest per group (the baseline)."""
 
     name: ClassVar[str] = "quantize_rtn"
@@ -33,12 +33,6 @@ class QuantizeRtnPass(Pass):
     requires = ("capture",)
     summary = "INT4 weight-only round-to-nearest, asymmetric, per group (baseline)"
     quant_kind: ClassVar[str] = "weights"
-
-    def estimated_bytes(self, module: str, shape: tuple[int, ...], kind: str | None) -> int | None:
-        """Stored bytes of a checkpoint tensor after this pass (None: left as it is), for the dry run."""
-        if kind != "linear" or matches(module, self.config.ignore):
-            return None
-        return int4_bytes(shape, self.config.group_size)
 
     def run(self, ctx: BuildContext) -> dict[str, Any]:
         from compiler.quant import int4

@@ -7,6 +7,7 @@ means a dry run (`optimize build --dry-run`) and the recipe checks never import 
 from __future__ import annotations
 
 import fnmatch
+from typing import Any
 
 
 def matches(name: str, patterns: tuple[str, ...] | list[str]) -> bool:
@@ -36,3 +37,15 @@ def int4_bytes(shape: tuple[int, ...], group_size: int) -> int:
     out, cols = shape
     g = -(-cols // group_size)
     return out * g * (group_size // 2) + out * g * 4 + out * -(-g // 2)
+
+
+class Int4WeightSizes:
+    """Dry-run size estimate of the INT4 weight-only passes (their config has group_size and ignore)."""
+
+    config: Any
+
+    def estimated_bytes(self, module: str, shape: tuple[int, ...], kind: str | None) -> int | None:
+        """Stored bytes of a checkpoint tensor after this pass (None: left as it is), for the dry run."""
+        if kind != "linear" or matches(module, self.config.ignore):
+            return None
+        return int4_bytes(shape, self.config.group_size)

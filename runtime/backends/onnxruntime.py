@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from runtime.backends import read_geometry
 from runtime.forward_batch import ForwardBatch
 
 log = logging.getLogger(__name__)
@@ -43,17 +44,10 @@ class OnnxRuntimeBackend:
 
         self._scatter = scatter_kv_layers
         self._copy_blocks = copy_blocks
-        kv = config["kv_cache"]
-        model = config["model"]
-        self.block_size = int(kv["block_size"])
-        self.num_blocks = int(num_blocks if num_blocks is not None else kv["num_blocks"])
-        self.num_layers = int(model["num_layers"])
-        self.kv_heads = int(model["num_kv_heads"])
-        self.head_dim = int(model["head_dim"])
-        self.vocab_size = int(model["vocab_size"])
-        dtype = _NP_DTYPES.get(kv.get("dtype", "float32"))
+        kv_name = read_geometry(self, config, num_blocks)
+        dtype = _NP_DTYPES.get(kv_name)
         if dtype is None:
-            raise RuntimeError(f"KV cache dtype {kv.get('dtype')!r} is not supported by the ONNX Runtime backend")
+            raise RuntimeError(f"KV cache dtype {kv_name!r} is not supported by the ONNX Runtime backend")
         self.kv_dtype = dtype
         so = ort.SessionOptions()
         threads = intra_op_threads or int(os.environ.get("OPTIMIZE_ORT_THREADS", "0"))

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from runtime.backends import read_geometry
 from runtime.forward_batch import ForwardBatch
 
 log = logging.getLogger(__name__)
@@ -38,15 +39,7 @@ class TorchBackend:
         threads = threads or int(os.environ.get("OPTIMIZE_TORCH_THREADS", "0"))
         if threads:
             torch.set_num_threads(threads)
-        kv = config["kv_cache"]
-        model = config["model"]
-        self.block_size = int(kv["block_size"])
-        self.num_blocks = int(num_blocks if num_blocks is not None else kv["num_blocks"])
-        self.num_layers = int(model["num_layers"])
-        self.kv_heads = int(model["num_kv_heads"])
-        self.head_dim = int(model["head_dim"])
-        self.vocab_size = int(model["vocab_size"])
-        dtype = kv.get("dtype", "float32")
+        dtype = read_geometry(self, config, num_blocks)
         if dtype != "float32":
             raise RuntimeError(f"KV cache dtype {dtype!r} is not supported by the torch backend (float32 only)")
         self.kv_dtype = np.float32
