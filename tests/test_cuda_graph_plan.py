@@ -101,3 +101,16 @@ def test_buckets_must_increase(tmp_path: Path) -> None:
                           passes=PASSES.format(opts="    options:\n      decode_buckets: [4, 2]\n"))
     with pytest.raises(RecipeError, match="increasing"):
         plan(recipe)
+
+
+def test_a_gqa_graph_is_reported_not_capturable(tmp_path: Path) -> None:
+    """The gqa variant pads each step to its longest chunk, read from cu_seqlens: a shape from input
+    contents, which a captured graph cannot have."""
+    ckpt = make_random_checkpoint(tmp_path / "ckpt", "LlamaForCausalLM", seed=3)
+    passes = ("  - name: select_attention\n    options: {kernel: gqa}\n  - name: capture\n  - name: lower_onnx\n"
+              "  - name: plan_cuda_graphs\n  - name: package\n")
+    artifact = build(write_recipe(tmp_path, ckpt, passes=passes), progress=False)
+    cg = json.loads((artifact / "manifest.json").read_text())["cuda_graphs"]
+    assert cg["capturable"] is False and cg["applies"] is False
+    assert cg["host_sync_findings"] and all(f["op"] == "Range" and "input contents" in f["reason"]
+                                            for f in cg["host_sync_findings"])
