@@ -20,6 +20,8 @@ import statistics
 import time
 from pathlib import Path
 
+import decode_throughput  # bench/ (this script's folder is on sys.path)
+
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = {
     "fp32": "demo.yaml",  # without select_attention / fuse / plan_cuda_graphs, like the quantized recipes
@@ -29,16 +31,7 @@ RECIPES = {
     "fp8 w+a": "demo-fp8.yaml",
     "kv int8": "demo-kv-int8.yaml",
 }
-PROMPTS = [
-    "def fibonacci(n):\n    if",
-    "import os\nimport sys\n\n\nclass Config:\n",
-    '"""Utilities for reading files."""\n',
-    "for i in range(10):\n",
-    "    def __repr__(self):\n        return",
-    "try:\n    import _thread\nexcept ImportError:\n",
-    "x = ",
-    "class Error(Exception):\n",
-]
+PROMPTS = decode_throughput.PROMPTS  # the same 8 prompts as the decode-throughput bench
 
 
 def unfused_demo(out: Path) -> Path:
