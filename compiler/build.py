@@ -26,6 +26,7 @@ from compiler.attention import KERNELS
 from compiler.checkpoint import CheckpointError, CheckpointInfo, inspect_checkpoint
 from compiler.passes import PASSES, BuildContext, BuildError, Pass, pass_options
 from compiler.recipe import Recipe, RecipeError, load_recipe
+from compiler.targets import supported, target_for
 from runtime.artifact import check_version_unused, write_build_info, write_manifest
 
 log = logging.getLogger(__name__)
@@ -34,10 +35,6 @@ TOOL_VERSION = "0.1.0"
 # The attention kernel of a build without a select_attention pass (the model definition's default).
 ATTENTION_KERNEL = {**KERNELS["decomposed"], "variant": "decomposed", "selected_by": "default (no select_attention pass)"}
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-# (backend, device) pairs this version builds. torch/cpu ships the torch.export program (model.pt2)
-# and runs it with runtime/backends/pytorch.py; GPU targets are refused by plan() with this list.
-BUILDABLE_TARGETS = (("onnxruntime", "cpu"), ("torch", "cpu"))
-TORCH_TARGET_PASSES = ("select_attention", "capture", "package")
 
 
 @dataclass
@@ -93,19 +90,20 @@ def plan(recipe_path: str | Path) -> Plan:
     except CheckpointError as e:
         raise recipe.error("source.checkpoint", str(e)) from e
     t = recipe.target
-    if (t.backend, t.device) not in BUILDABLE_TARGETS:
+    target = target_for(t.backend, t.device)
+    if target is None:
         raise recipe.error("target.backend", f"target {t.backend}/{t.device} cannot be built by this version; "
-                           f"supported: {', '.join(f'{b}/{d}' for b, d in BUILDABLE_TARGETS)}")
-    if t.dtype != "float32":
-        raise recipe.error("target.dtype", f"dtype {t.dtype} is not supported for {t.backend}/{t.device} yet; "
-                           "use float32")
+                           f"supported: {supported()}")
+    if t.dtype not in target.dtypes:
+        raise recipe.error("target.dtype", f"dtype {t.dtype} is not supported for {t.backend}/{t.device}; "
+                           f"use {' or '.join(target.dtypes)}")
     names = [spec.name for spec in recipe.passes]
-    if t.backend == "torch":  # the artifact is the captured program; ONNX passes do not apply
+    if target.passes is not None:  # the torch targets: the artifact is the captured program
         for i, name in enumerate(names):
-            if name not in TORCH_TARGET_PASSES:
-                raise recipe.error(f"passes[{i}].name", f"pass {name!r} does not apply to the torch target "
+            if name not in target.passes:
+                raise recipe.error(f"passes[{i}].name", f"pass {name!r} does not apply to the {t.backend} target "
                                    f"(its artifact is the torch.export program); passes for it: "
-                                   f"{', '.join(TORCH_TARGET_PASSES)}")
+                                   f"{', '.join(target.passes)}")
     elif "lower_onnx" not in names:
         raise recipe.error("passes", f"target {t.backend}/{t.device} needs 'lower_onnx' in the pass list")
     passes: list[Pass] = []
@@ -192,8 +190,11 @@ def quality_gate(ctx: BuildContext) -> dict[str, Any]:
         return {"evaluated": False, "reason": "the recipe names no quality.eval_data"}
     from runtime.engine import LLMEngine
 
-    engine = LLMEngine(ctx.staging, verify=True)
-    reference = ctx.artifacts.get("reference_model", ctx.artifacts.get("model"))
+    device, why_not = _evaluation_device(ctx)
+    if device is None:
+        return {"evaluated": False, "reason": why_not}
+    engine = LLMEngine(ctx.staging, verify=True, device=device)
+    reference = _fp32_reference(ctx)
     ids = engine.tokenizer.encode(Path(q.eval_data).read_text(encoding="utf-8"), add_special_tokens=False)
     compare = _Comparison(engine.backend, reference)
     result = compare.perplexity(ids, q.max_eval_tokens)
@@ -240,12 +241,45 @@ def quality_gate(ctx: BuildContext) -> dict[str, Any]:
         raise BuildError("quality gate: the recipe bounds a comparison with the unoptimised model, "
                          "but no pass produced it (capture)")
     passed = all(ok for *_, ok in table)
-    out = {"evaluated": True, "metrics": metrics, "bounds": bounds, "passed": passed}
+    out = {"evaluated": True, "device": device, "metrics": metrics, "bounds": bounds, "passed": passed}
     if not passed:
         rows = "\n".join(f"  {name:<24} measured {_fmt(m)}  allowed {_fmt(a)}  {'ok' if ok else 'FAILED'}"
                          for name, m, a, ok in table)
         raise QualityGateError(f"quality gate failed:\n{rows}", table)
     return out
+
+
+def _evaluation_device(ctx: BuildContext) -> tuple[str | None, str]:
+    """Where the gate runs the staged artifact: its own device when this machine has it; a torch/cuda
+    artifact on CPU otherwise (the same program); (None, reason) when it cannot run here at all."""
+    t = ctx.recipe.target
+    if t.device == "cpu":
+        return "cpu", ""
+    from runtime.gpu import missing_for
+
+    problem = missing_for(t.backend)
+    if problem is None:
+        return "cuda", ""
+    if t.backend == "torch":
+        log.info("quality gate on cpu: %s", problem)
+        return "cpu", ""
+    return None, f"not evaluated on the build machine: {problem}"
+
+
+def _fp32_reference(ctx: BuildContext) -> Any:
+    """The unoptimised model definition in float32 (the gate's reference): capture's model when the target
+    is float32, else a float32 copy loaded from the checkpoint."""
+    reference = ctx.artifacts.get("reference_model", ctx.artifacts.get("model"))
+    if reference is None or ctx.recipe.target.dtype == "float32":
+        return reference
+    import torch
+
+    from compiler.checkpoint import load_weights
+    from compiler.models.llama import LlamaForwardBatchModel
+
+    model = LlamaForwardBatchModel(ctx.checkpoint.config, ctx.recipe.runtime.kv_block_size)
+    model.load_hf_state_dict(load_weights(ctx.checkpoint), torch.float32)
+    return model.eval()
 
 
 def _fmt(x: float) -> str:
@@ -422,6 +456,10 @@ def build(recipe_path: str | Path, progress: bool = True, output: str | Path | N
     t0 = time.perf_counter()
     p = plan(recipe_path)
     recipe = p.recipe
+    for ps in p.passes:  # GPU packages / devices a pass needs: fail before any work, saying what is missing
+        problem = ps.check_environment(recipe)
+        if problem is not None:
+            raise BuildError(f"pass {ps.name!r}: {problem}")
     out_root = Path(output).resolve() if output is not None else recipe.output
     final = check_version_unused(out_root, recipe.name, recipe.version)
     staging = final.parent / f".{recipe.version}.staging-{os.getpid()}"
@@ -512,6 +550,7 @@ def _manifest(ctx: BuildContext, src_sha: str, pass_records: list[dict[str, Any]
                    "kv_cache_dtype": ctx.artifacts.get("kv_cache_dtype", recipe.target.dtype)},
         "passes": pass_records,
         "kernels": {"attention": ctx.artifacts.get("attention_kernel") or ATTENTION_KERNEL},
+        **({"engine": ctx.artifacts["engine_record"]} if "engine_record" in ctx.artifacts else {}),
         "cuda_graphs": ctx.artifacts.get("cuda_graphs") or {
             "applies": False, "reason": f"{recipe.target.device} target: no CUDA graphs (no plan_cuda_graphs pass)"},
     }

@@ -177,8 +177,14 @@ def _sampling(max_tokens: int, temperature: float, top_k: int, top_p: float, see
 @click.option("--seed", type=int, default=None)
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--escapes/--no-escapes", default=True, show_default=True, help=r"Read \n and \t in PROMPT.")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None,
+              help="Run on this device instead of the artifact's (e.g. cpu for a torch/cuda artifact).")
+@click.option("--cuda-graphs", type=click.Choice(["auto", "padded", "off"]), default=None,
+              help="Decode-bucket CUDA graphs (torch and ONNX Runtime CUDA artifacts): auto captures them on a "
+                   "GPU; padded runs the padded static-shape step uncaptured; off runs every step eagerly.")
 def generate(artifact: Path, prompt: str, max_tokens: int, temperature: float, top_k: int, top_p: float,
-             seed: int | None, stop: tuple[str, ...], escapes: bool) -> None:
+             seed: int | None, stop: tuple[str, ...], escapes: bool, device: str | None,
+             cuda_graphs: str | None) -> None:
     """Stream a continuation of PROMPT from ARTIFACT to the terminal."""
     from runtime.artifact import ArtifactError
     from runtime.engine import LLM
@@ -186,7 +192,7 @@ def generate(artifact: Path, prompt: str, max_tokens: int, temperature: float, t
     if escapes:
         prompt = prompt.replace("\\n", "\n").replace("\\t", "\t")
     try:
-        llm = LLM(artifact)
+        llm = LLM(artifact, device=device, graphs=cuda_graphs)
         params = _sampling(max_tokens, temperature, top_k, top_p, seed, stop)
         click.echo(prompt, nl=False)
         t = time.perf_counter()
@@ -211,14 +217,20 @@ def generate(artifact: Path, prompt: str, max_tokens: int, temperature: float, t
 @click.option("--chunk-len", default=256, show_default=True, help="Tokens per independently scored chunk.")
 @click.option("--max-tokens", type=int, default=None, help="Score only the first N tokens of the text.")
 @click.option("--json", "as_json", is_flag=True)
-def eval_cmd(artifact: Path, data: Path, chunk_len: int, max_tokens: int | None, as_json: bool) -> None:
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None,
+              help="Run on this device instead of the artifact's (e.g. cpu for a torch/cuda artifact).")
+@click.option("--cuda-graphs", type=click.Choice(["auto", "padded", "off"]), default=None,
+              help="Decode-bucket CUDA graphs (torch and ONNX Runtime CUDA artifacts): auto captures them on a "
+                   "GPU; padded runs the padded static-shape step uncaptured; off runs every step eagerly.")
+def eval_cmd(artifact: Path, data: Path, chunk_len: int, max_tokens: int | None, as_json: bool, device: str | None,
+             cuda_graphs: str | None) -> None:
     """Perplexity of ARTIFACT on a text file (non-overlapping chunks, each scored on its own)."""
     from runtime.artifact import ArtifactError
     from runtime.engine import LLMEngine
     from runtime.evaluate import perplexity
 
     try:
-        engine = LLMEngine(artifact)
+        engine = LLMEngine(artifact, device=device, graphs=cuda_graphs)
         ids = engine.tokenizer.encode(data.read_text(encoding="utf-8"), add_special_tokens=False)
         t = time.perf_counter()
         res = perplexity(engine.backend, ids, chunk_len=chunk_len, max_tokens=max_tokens)
@@ -251,10 +263,15 @@ def eval_cmd(artifact: Path, data: Path, chunk_len: int, max_tokens: int | None,
 @click.option("--max-num-batched-tokens", type=int, default=None, help="Token budget per step (default: runtime.json).")
 @click.option("--max-model-len", type=int, default=None, help="Context per sequence, at most runtime.json's.")
 @click.option("--threads", type=int, default=None, help="ONNX Runtime intra-op threads (default: all cores).")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None,
+              help="Run on this device instead of the artifact's (e.g. cpu for a torch/cuda artifact).")
+@click.option("--cuda-graphs", type=click.Choice(["auto", "padded", "off"]), default=None,
+              help="Decode-bucket CUDA graphs (torch and ONNX Runtime CUDA artifacts): auto captures them on a "
+                   "GPU; padded runs the padded static-shape step uncaptured; off runs every step eagerly.")
 def serve(artifact: Path, host: str, port: int, api_key: str | None, served_model_name: str | None,
           max_waiting: int, request_timeout: float, max_body_bytes: int, shutdown_grace: float,
           num_kv_blocks: int | None, max_num_seqs: int | None, max_num_batched_tokens: int | None,
-          max_model_len: int | None, threads: int | None) -> None:
+          max_model_len: int | None, threads: int | None, device: str | None, cuda_graphs: str | None) -> None:
     """Serve ARTIFACT over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /metrics)."""
     from runtime.server import ServerConfig
     from runtime.server import serve as run_server
@@ -265,7 +282,8 @@ def serve(artifact: Path, host: str, port: int, api_key: str | None, served_mode
                               request_timeout=request_timeout, max_body_bytes=max_body_bytes,
                               shutdown_grace=shutdown_grace, num_kv_blocks=num_kv_blocks,
                               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                              max_model_len=max_model_len, threads=threads)
+                              max_model_len=max_model_len, threads=threads, device=device,
+                              cuda_graphs=cuda_graphs)
         config.validate()
     except ValueError as e:
         _fail(str(e))

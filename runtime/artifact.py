@@ -420,6 +420,11 @@ def pass_changes(entry: dict[str, Any]) -> str:
     if "decode_buckets" in st:
         parts.append(f"decode buckets {_short(st['decode_buckets'])}; capturable "
                      f"{'yes' if st.get('capturable') else 'no'}; applies {'yes' if st.get('applies') else 'no'}")
+    if "engine_bytes" in st and "tensorrt_version" in st:
+        profiles = [p.get("name") for p in st.get("profiles") or [] if isinstance(p, dict)]
+        parts.append(f"TensorRT {st['tensorrt_version']} engine for {st.get('gpu')} "
+                     f"({st.get('compute_capability')}): {st.get('layers')} layers, {st['engine_bytes']:,} bytes, "
+                     f"profiles {', '.join(map(str, profiles))}")
     if "weights_bytes" in st:
         parts.append(f"{len(st.get('files') or [])} files, weights {st['weights_bytes']:,} bytes")
     return "; ".join(parts) if parts else _line(st, 160)

@@ -117,21 +117,35 @@ class Tokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
 
-def _load_backend(artifact: Artifact, num_blocks: int | None, threads: int | None) -> Any:
+def _load_backend(artifact: Artifact, num_blocks: int | None, threads: int | None, device: str | None = None,
+                  graphs: str | None = None) -> Any:
+    """The artifact's backend on its target device, or on `device` when given (e.g. 'cpu' to run a CUDA
+    torch artifact on a machine without a GPU); `graphs` is the torch backend's CUDA-graph mode."""
     cfg = artifact.runtime_config
     backend = cfg.get("backend")
+    device = device or cfg.get("device", "cpu")
     if backend == "onnxruntime":
+        if device == "cuda":
+            from runtime.backends.onnxruntime_cuda import OnnxRuntimeCudaBackend
+
+            return OnnxRuntimeCudaBackend(artifact.model_path, cfg, artifact.manifest, num_blocks=num_blocks,
+                                          graphs=graphs)
         from runtime.backends.onnxruntime import OnnxRuntimeBackend
 
-        providers = ["CUDAExecutionProvider"] if cfg.get("device") == "cuda" else ["CPUExecutionProvider"]
-        return OnnxRuntimeBackend(artifact.model_path, cfg, num_blocks=num_blocks, providers=providers,
-                                  intra_op_threads=threads)
+        return OnnxRuntimeBackend(artifact.model_path, cfg, num_blocks=num_blocks, intra_op_threads=threads)
     if backend == "torch":
         from runtime.backends.pytorch import TorchBackend
 
-        return TorchBackend(artifact.model_path, cfg, num_blocks=num_blocks, device=cfg.get("device", "cpu"),
-                            threads=threads)
-    raise RuntimeError(f"artifact backend {backend!r} is not available in this runtime (have: onnxruntime, torch)")
+        return TorchBackend(artifact.model_path, cfg, num_blocks=num_blocks, device=device, threads=threads,
+                            cuda_graphs=artifact.manifest.get("cuda_graphs"), graphs=graphs)
+    if backend == "tensorrt":
+        if device != "cuda":
+            raise RuntimeError(f"a TensorRT engine runs on the GPU it was built for, not on {device!r}")
+        from runtime.backends.tensorrt import TensorRTBackend
+
+        return TensorRTBackend(artifact.model_path, cfg, artifact.manifest, num_blocks=num_blocks, graphs=graphs)
+    raise RuntimeError(f"artifact backend {backend!r} is not available in this runtime "
+                       "(have: onnxruntime, torch, tensorrt)")
 
 
 class LLMEngine:
@@ -148,10 +162,12 @@ class LLMEngine:
         max_model_len: int | None = None,
         threads: int | None = None,
         enable_prefix_caching: bool = True,
+        device: str | None = None,
+        graphs: str | None = None,
     ) -> None:
         self.artifact = artifact if isinstance(artifact, Artifact) else Artifact.open(artifact, verify=verify)
         cfg = self.artifact.runtime_config
-        self.backend = _load_backend(self.artifact, num_blocks, threads)
+        self.backend = _load_backend(self.artifact, num_blocks, threads, device, graphs)
         sched = cfg["scheduler"]
         self.scheduler_config = SchedulerConfig(
             block_size=self.backend.block_size,

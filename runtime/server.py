@@ -112,6 +112,8 @@ class ServerConfig:
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
     threads: int | None = None  # ONNX Runtime intra-op threads
+    device: str | None = None  # None: the artifact's target device
+    cuda_graphs: str | None = None  # auto | padded | off (GPU backends); None: auto
     warmup: bool = True
 
     def validate(self) -> None:
@@ -456,7 +458,7 @@ class Server:
         artifact = Artifact.open(c.artifact, verify=True)
         engine = LLMEngine(artifact, num_blocks=c.num_kv_blocks, max_num_seqs=c.max_num_seqs,
                            max_num_batched_tokens=c.max_num_batched_tokens, max_model_len=c.max_model_len,
-                           threads=c.threads)
+                           threads=c.threads, device=c.device, graphs=c.cuda_graphs)
         self.codec = TextCodec(artifact.tokenizer_dir)
         self.chat = ChatTemplate(engine.tokenizer.config)
         return engine, warm_up(engine) if c.warmup else 0.0

@@ -24,7 +24,8 @@ def demo_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def write_recipe(folder: Path, checkpoint: Path, name: str = "test-model", passes: str | None = None,
-                 extra: str = "", runtime: str | None = None, backend: str = "onnxruntime") -> Path:
+                 extra: str = "", runtime: str | None = None, backend: str = "onnxruntime", device: str = "cpu",
+                 dtype: str = "float32") -> Path:
     """A recipe file for `checkpoint` in `folder` (absolute paths), output to folder/artifacts."""
     default = "  - name: capture\n  - name: package\n" if backend == "torch" else \
         "  - name: capture\n  - name: lower_onnx\n  - name: package\n"
@@ -32,7 +33,7 @@ def write_recipe(folder: Path, checkpoint: Path, name: str = "test-model", passe
     runtime = runtime or ("  kv_block_size: 16\n  num_kv_blocks: 256\n  max_num_seqs: 8\n"
                           "  max_num_batched_tokens: 256\n  max_model_len: 512\n")
     text = (f"name: {name}\nversion: 1.0.0\nsource:\n  checkpoint: {checkpoint}\n"
-            f"target:\n  backend: {backend}\n  device: cpu\n  dtype: float32\n"
+            f"target:\n  backend: {backend}\n  device: {device}\n  dtype: {dtype}\n"
             f"passes:\n{passes}runtime:\n{runtime}{extra}output: {folder / 'artifacts'}\n")
     path = folder / f"{name}.yaml"
     path.write_text(text, encoding="utf-8")

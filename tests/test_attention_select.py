@@ -39,7 +39,7 @@ def test_candidates_by_target() -> None:
     assert cpu["decomposed"].valid and cpu["gqa"].valid
     assert not cpu["paged_attention"].valid and "CUDA only" in cpu["paged_attention"].reason
     cuda = {c.variant: c for c in candidates(cfg, "onnxruntime", "cuda", "float16")}
-    assert cuda["paged_attention"].valid and cuda["gqa"].valid
+    assert cuda["paged_attention"].valid and not cuda["gqa"].valid and "in-place cache write" in cuda["gqa"].reason
     assert not {c.variant: c for c in candidates(cfg, "onnxruntime", "cuda", "float32")}["paged_attention"].valid
     quant = {c.variant: c for c in candidates(cfg, "onnxruntime", "cpu", "float32", ["quantize_kv_cache"])}
     assert quant["gqa"].valid and "quantize_kv_cache" in quant["gqa"].reason

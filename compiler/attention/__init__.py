@@ -3,7 +3,8 @@
 Variants (the model definition's `attention=`, compiler/models/llama.py):
 
 - `decomposed`: paged attention in standard ONNX ops (per-token gather of the past through the
-  block table, masked softmax). Any ONNX Runtime target.
+  block table, masked softmax). Any ONNX Runtime target, the torch targets, and TensorRT (its ONNX
+  parser reads these standard ops; the contrib-op variants below are ONNX Runtime's alone).
 - `gqa`: ONNX Runtime's com.microsoft.GroupQueryAttention fed per-sequence past K/V gathered from
   the pool and right-padded chunks (`query_seqlens`, ONNX Runtime >= 1.32), see lowering.py.
 - `paged_attention`: ONNX Runtime's com.microsoft.PagedAttention (CUDA kernel only, float16/bfloat16),
@@ -36,6 +37,13 @@ KERNELS: dict[str, dict[str, str]] = {
                        "block_table); ONNX Runtime CUDA only",
     },
 }
+
+# Why the contrib-op variants are invalid for TensorRT: its ONNX parser reads the standard domain only.
+_NOT_FOR_TENSORRT = ("com.microsoft.{op} is an ONNX Runtime contrib op; TensorRT's ONNX parser reads standard "
+                     "ONNX ops only (no plugin for it)")
+
+_CUDA_POOLS = ("the ONNX Runtime CUDA backend keeps the KV pools on the GPU and needs PagedAttention's in-place "
+               "cache write (this variant returns K/V for a host-side scatter)")
 
 # ONNX Runtime element types of each contrib op's T (query/key/value/output)
 _OP_DTYPES = {"gqa": ("float32", "float16", "bfloat16"), "paged_attention": ("float16", "bfloat16")}
@@ -75,13 +83,17 @@ def candidates(cfg: Any, backend: str, device: str, dtype: str, pass_names: list
         out = [Candidate("decomposed", True, "standard ONNX ops")]
     elif backend == "torch":
         out = [Candidate("decomposed", True, "standard torch ops (the torch.export program)")]
+    elif backend == "tensorrt":
+        out = [Candidate("decomposed", True, "standard ONNX ops, which TensorRT's ONNX parser reads")]
     else:
         out = [Candidate("decomposed", False, f"no lowering of the decomposed path to {backend} yet")]
     quant_kv = "quantize_kv_cache" in pass_names
     if cfg.num_heads % cfg.num_kv_heads:
         why = f"num_heads {cfg.num_heads} is not a multiple of num_kv_heads {cfg.num_kv_heads}"
         return out + [Candidate("gqa", False, why), Candidate("paged_attention", False, why)]
-    if backend != "onnxruntime":
+    if backend == "tensorrt":
+        out.append(Candidate("gqa", False, _NOT_FOR_TENSORRT.format(op="GroupQueryAttention")))
+    elif backend != "onnxruntime":
         why = f"ONNX Runtime contrib op, not available on the {backend} backend"
         out.append(Candidate("gqa", False, why))
     elif dtype not in _OP_DTYPES["gqa"]:
@@ -92,7 +104,9 @@ def candidates(cfg: Any, backend: str, device: str, dtype: str, pass_names: list
     else:
         out.append(Candidate("gqa", True, f"GroupQueryAttention CPU/CUDA kernel, {dtype}, query_seqlens "
                              "(right-padded chunks) over per-sequence past gathered from the pool"))
-    if backend != "onnxruntime" or device != "cuda":
+    if backend == "tensorrt":
+        out.append(Candidate("paged_attention", False, _NOT_FOR_TENSORRT.format(op="PagedAttention")))
+    elif backend != "onnxruntime" or device != "cuda":
         out.append(Candidate("paged_attention", False, "CUDA only (ONNX Runtime has no CPU kernel for PagedAttention)"))
     elif dtype not in _OP_DTYPES["paged_attention"]:
         out.append(Candidate("paged_attention", False, f"PagedAttention takes float16/bfloat16, not {dtype}"))
@@ -101,6 +115,11 @@ def candidates(cfg: Any, backend: str, device: str, dtype: str, pass_names: list
                              "PagedAttention's k_scale/v_scale without a new lowering"))
     else:
         out.append(Candidate("paged_attention", True, "PagedAttention CUDA kernel over the pools"))
+    if backend == "onnxruntime" and device == "cuda":
+        # runtime/backends/onnxruntime_cuda.py keeps the pools on the GPU and has PagedAttention write
+        # this step's K/V into them in place; the other variants return K/V for a host-side scatter
+        out = [c if c.variant == "paged_attention" or not c.valid else Candidate(c.variant, False, _CUDA_POOLS)
+               for c in out]
     return out
 
 

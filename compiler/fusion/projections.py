@@ -42,6 +42,9 @@ class _Member:
     weight: str  # initializer (or DequantizeLinear input) name that named the role
 
 
+_FLOATS = (TensorProto.FLOAT, TensorProto.FLOAT16)  # numpy concatenates both exactly
+
+
 def _weight_name(g: FusionGraph, node: onnx.NodeProto, producers: dict[str, onnx.NodeProto]) -> str:
     if len(node.input) < 2:
         return ""
@@ -64,7 +67,7 @@ def _kind(g: FusionGraph, node: onnx.NodeProto, producers: dict[str, onnx.NodePr
         if attr(node, "alpha", 1.0) != 1.0 or attr(node, "beta", 1.0) != 1.0:
             return "gemm", "Gemm has alpha or beta != 1"
         w = g.inits.get(b)
-        if w is None or len(w.dims) != 2 or w.data_type != TensorProto.FLOAT:
+        if w is None or len(w.dims) != 2 or w.data_type not in _FLOATS:
             return "gemm", "B is not a 2-D float initializer"
         if len(node.input) > 2 and node.input[2]:
             c = g.inits.get(node.input[2])
@@ -73,7 +76,7 @@ def _kind(g: FusionGraph, node: onnx.NodeProto, producers: dict[str, onnx.NodePr
         return "gemm", None
     if node.op_type == "MatMul" and node.domain in ("", "ai.onnx"):
         w = g.inits.get(b)
-        if w is None or len(w.dims) != 2 or w.data_type != TensorProto.FLOAT:
+        if w is None or len(w.dims) != 2 or w.data_type not in _FLOATS:
             return "matmul", "B is not a 2-D float initializer"
         return "matmul", None
     if node.op_type == "MatMulNBits" and node.domain == MS_DOMAIN:

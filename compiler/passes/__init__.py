@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from compiler.passes.base import BuildContext, BuildError, Pass
+from compiler.passes.build_engine import BuildEnginePass
 from compiler.passes.capture import CapturePass
 from compiler.passes.fuse import FusePass
 from compiler.passes.lower_onnx import LowerOnnxPass
@@ -35,6 +36,8 @@ PASSES: dict[str, type[Pass]] = {
         FusePass,
         # planning (on the final graph)
         PlanCudaGraphsPass,
+        # engine compilation (tensorrt target: the final graph and its decode buckets -> a TensorRT engine)
+        BuildEnginePass,
         # packaging
         PackagePass,
     )

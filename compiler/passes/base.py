@@ -61,6 +61,11 @@ class Pass:
         by plan() before any work, so the error names the recipe line."""
         return None
 
+    def check_environment(self, recipe: Recipe) -> str | None:
+        """None when this machine has what the pass needs (a GPU, a GPU package); else what is missing.
+        Checked by build() before any pass runs (not by the dry run, which may run anywhere)."""
+        return None
+
     def skip_reason(self, ctx: BuildContext) -> str | None:
         """None when the pass applies to this build's target; else the reason it does nothing."""
         return None

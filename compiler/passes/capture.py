@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from compiler.passes.base import BuildContext, BuildError, Pass
+from compiler.targets import supported, target_for
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_DTYPES = {("onnxruntime", "cpu"): ("float32",), ("torch", "cpu"): ("float32",)}
 
 
 @dataclass(frozen=True)
@@ -96,12 +96,10 @@ class CapturePass(Pass):
         from compiler.models.llama import LlamaForwardBatchModel
 
         target = ctx.recipe.target
-        allowed = SUPPORTED_DTYPES.get((target.backend, target.device))
-        if allowed is None or target.dtype not in allowed:
-            raise BuildError(
-                f"target {target.backend}/{target.device}/{target.dtype} is not supported by this build; "
-                f"supported: {', '.join('/'.join(k) + '/' + '|'.join(v) for k, v in SUPPORTED_DTYPES.items())}"
-            )
+        spec = target_for(target.backend, target.device)
+        if spec is None or target.dtype not in spec.dtypes:
+            raise BuildError(f"target {target.backend}/{target.device}/{target.dtype} is not supported by this "
+                             f"build; supported: {supported()}")
         cfg = ctx.checkpoint.config
         block_size = ctx.recipe.runtime.kv_block_size
         dtype = getattr(torch, target.dtype)

@@ -1,5 +1,6 @@
-"""Packaging: write the model (ONNX with external weights, or the torch.export program for the torch
-target), tokenizer files and runtime.json.
+"""Packaging: write the model (ONNX with external weights, the torch.export program for the torch
+target, or the TensorRT engine and its timing cache for the tensorrt target), tokenizer files and
+runtime.json.
 
 The manifest itself is written by the build driver (compiler/build.py) through runtime/artifact.py
 once every pass and the quality gate have run, so it lists every payload file with its sha256.
@@ -20,6 +21,8 @@ log = logging.getLogger(__name__)
 MODEL_FILE = "model.onnx"
 WEIGHTS_FILE = "model.onnx.data"
 TORCH_MODEL_FILE = "model.pt2"  # torch.export.save of the captured program (weights inside)
+ENGINE_FILE = "model.plan"  # the serialized TensorRT engine (weights inside), from build_engine
+TIMING_CACHE_FILE = "timing.cache"  # TensorRT's timing cache of that build (seeds a rebuild on the same GPU)
 
 
 @dataclass(frozen=True)
@@ -37,7 +40,7 @@ def runtime_config(ctx: BuildContext) -> dict[str, Any]:
     return {
         "backend": ctx.recipe.target.backend,
         "device": ctx.recipe.target.device,
-        "model_file": TORCH_MODEL_FILE if ctx.recipe.target.backend == "torch" else MODEL_FILE,
+        "model_file": {"torch": TORCH_MODEL_FILE, "tensorrt": ENGINE_FILE}.get(ctx.recipe.target.backend, MODEL_FILE),
         "kv_cache": {
             "block_size": rt.kv_block_size,
             "num_blocks": rt.num_kv_blocks,
@@ -68,7 +71,16 @@ class PackagePass(Pass):
     name: ClassVar[str] = "package"
     Config = PackageOptions
     requires = ("capture",)
-    summary = "model.onnx + model.onnx.data (or model.pt2 for the torch target), tokenizer/, runtime.json"
+    summary = ("model.onnx + model.onnx.data (model.pt2 for the torch target, model.plan + timing.cache for "
+               "tensorrt), tokenizer/, runtime.json")
+
+    def check_recipe(self, recipe: Any) -> tuple[str, str] | None:
+        if recipe.target.backend == "tensorrt":
+            names = [spec.name for spec in recipe.passes]
+            if "build_engine" not in names[:names.index(self.name)]:
+                return ("name", "target tensorrt/cuda needs 'build_engine' before 'package' (it compiles the "
+                                "engine the artifact ships)")
+        return None
 
     def run(self, ctx: BuildContext) -> dict[str, Any]:
         out = ctx.staging
@@ -78,6 +90,10 @@ class PackagePass(Pass):
 
             torch.export.save(ctx.require("exported", self.name), str(out / TORCH_MODEL_FILE))
             model_file, weights_file = TORCH_MODEL_FILE, TORCH_MODEL_FILE
+        elif ctx.recipe.target.backend == "tensorrt":  # the engine holds the weights; no ONNX is shipped
+            (out / ENGINE_FILE).write_bytes(ctx.require("engine_plan", self.name))
+            (out / TIMING_CACHE_FILE).write_bytes(ctx.require("timing_cache", self.name))
+            model_file, weights_file = ENGINE_FILE, ENGINE_FILE
         else:
             import onnx
 

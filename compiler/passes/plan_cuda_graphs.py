@@ -19,6 +19,12 @@ lowering, i.e. the graph that ships), for every decode bucket:
    for each bucket with two different sets of values (context lengths, positions, tokens) and the
    output shapes must be the expected ones and the same for both.
 
+For the torch targets the same two checks run on the torch.export program (`fx_host_sync_findings`:
+ops that read tensor contents on the host (`item`, `nonzero`, `unique`, boolean masking, control
+flow) and any value whose shape has an unbacked (data-dependent) symbol; then every bucket runs
+twice on CPU with different contents). There the captured step also writes the new K/V into the
+pools (`index_copy_`), so padded rows write into one extra pool block the scheduler never uses.
+
 The plan (buckets, the padding policy, each bucket's input shapes) goes into the manifest's
 `cuda_graphs` for the runtime to capture at load on a GPU; a decode batch of n sequences runs in the
 smallest bucket >= n, padded as the policy says; prefill and mixed steps, and decode batches
@@ -172,15 +178,93 @@ def _run_buckets(model: Any, buckets: list[int], width: int, block_size: int, vo
     return got
 
 
+def _has_cuda_only_ops(model: Any) -> bool:
+    """PagedAttention has no CPU kernel: such a graph is checked by the taint analysis only."""
+    return any(n.op_type == "PagedAttention" for n in model.graph.node)
+
+
+# aten ops that read tensor contents on the host, or whose output size depends on them
+_FX_HOST_SYNC = {"_local_scalar_dense", "item", "nonzero", "nonzero_static", "unique", "_unique", "_unique2",
+                 "unique_consecutive", "unique_dim", "masked_select", "repeat_interleave", "tolist", "is_nonzero",
+                 "_assert_async", "equal", "allclose"}
+
+
+def fx_host_sync_findings(exported: Any) -> list[dict[str, str]]:
+    """Nodes of a torch.export program that need the host to read tensor contents, or that produce a
+    value with a data-dependent (unbacked) size; control flow (cond, while_loop) is reported too."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    findings: list[dict[str, str]] = []
+    for node in exported.graph.nodes:
+        if node.op != "call_function":
+            continue
+        target = node.target
+        name = getattr(target, "__name__", str(target))
+        base = name.split(".")[0]
+        if base in ("cond", "while_loop", "map_impl", "scan"):
+            findings.append({"node": node.name, "op": name, "reason": "control flow: the host picks the branch"})
+        elif base in _FX_HOST_SYNC:
+            findings.append({"node": node.name, "op": name, "reason": "reads tensor contents on the host or has "
+                             "a data-dependent output size"})
+        else:
+            val = node.meta.get("val")
+            vals = val if isinstance(val, (list, tuple)) else [val]
+            if any(hasattr(v, "shape") and free_unbacked_symbols(v) for v in vals):
+                findings.append({"node": node.name, "op": name, "reason": "output shape depends on tensor contents"})
+    return findings
+
+
+def _run_buckets_torch(exported: Any, buckets: list[int], width: int, block_size: int, cfg: Any) -> dict[str, Any]:
+    """The torch twin of _run_buckets: each bucket twice on CPU with different contents."""
+    import torch
+
+    from runtime.backends.pytorch import callable_program
+
+    program = callable_program(exported)
+    dtype = next((p.dtype for p in exported.state_dict.values() if p.is_floating_point()), torch.float32)
+    pool_blocks = width + 1
+    pools = [torch.zeros(pool_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype)
+             for _ in range(2 * cfg.num_layers)]
+    gen = torch.Generator().manual_seed(0)
+    got: dict[str, Any] = {}
+    for b in buckets:
+        seen = None
+        for trial in range(2):
+            ctx_len = (torch.randint(0, width * block_size, (b,), generator=gen) if trial
+                       else torch.zeros(b, dtype=torch.int64))
+            table = (torch.randint(0, pool_blocks, (b, width), generator=gen) if trial
+                     else torch.full((b, width), -1)).to(torch.int32)
+            with torch.no_grad():
+                outs = program(torch.randint(0, cfg.vocab_size, (b,), generator=gen), ctx_len.clone(),
+                               torch.arange(b + 1, dtype=torch.int32), ctx_len.to(torch.int32), table,
+                               torch.arange(b), *pools)
+            shape_list = [list(o.shape) for o in outs]
+            if seen is not None and shape_list != seen:
+                raise BuildError(f"plan_cuda_graphs: bucket {b}: output shapes change with input contents "
+                                 f"({seen} vs {shape_list})")
+            seen = shape_list
+        expect = [[b, cfg.vocab_size]] + [[b, cfg.num_kv_heads, cfg.head_dim]] * (len(seen) - 1)
+        if seen != expect:
+            raise BuildError(f"plan_cuda_graphs: bucket {b}: output shapes {seen[:3]}..., expected {expect[:3]}...")
+        got[str(b)] = seen[0]
+    return got
+
+
 class PlanCudaGraphsPass(Pass):
     """Decode batch buckets + the static-shape / no-host-sync check of the decode graph."""
 
     name: ClassVar[str] = "plan_cuda_graphs"
     Config = CudaGraphOptions
-    requires = ("lower_onnx",)
+    requires = ("capture",)
     summary = "decode buckets for CUDA graphs; checks static shapes per bucket and no host synchronisation"
 
     def check_recipe(self, recipe: Any) -> tuple[str, str] | None:
+        from compiler.targets import target_for
+
+        target = target_for(recipe.target.backend, recipe.target.device)
+        names = [p.name for p in recipe.passes]
+        if target is not None and target.onnx and "lower_onnx" not in names[:names.index(self.name)]:
+            return ("name", "plan_cuda_graphs checks the lowered ONNX graph: put it after lower_onnx (and fuse)")
         buckets = self.config.decode_buckets
         if buckets and buckets[-1] > recipe.runtime.max_num_seqs:
             return ("options.decode_buckets", f"bucket {buckets[-1]} exceeds runtime.max_num_seqs "
@@ -188,18 +272,31 @@ class PlanCudaGraphsPass(Pass):
         return None
 
     def run(self, ctx: BuildContext) -> dict[str, Any]:
-        model = ctx.require("onnx", self.name)
         rt = ctx.recipe.runtime
         cfg = ctx.checkpoint.config
         buckets = list(self.config.decode_buckets or default_buckets(rt.max_num_seqs))
         max_len = min(rt.max_model_len, cfg.max_position_embeddings)
         width = -(-max_len // rt.kv_block_size)
-        findings = host_sync_findings(model)
-        capturable = not findings
+        torch_target = "onnx" not in ctx.artifacts
         verified: dict[str, Any] | None = None
-        if self.config.verify and capturable:
-            verified = _run_buckets(model, buckets, width, rt.kv_block_size, cfg.vocab_size, cfg.num_kv_heads,
-                                    cfg.head_dim)
+        if torch_target:
+            exported = ctx.require("exported", self.name)
+            findings = fx_host_sync_findings(exported)
+            capturable = not findings
+            if self.config.verify and capturable:
+                verified = _run_buckets_torch(exported, buckets, width, rt.kv_block_size, cfg)
+            nodes = len(exported.graph.nodes)
+            shapes = {str(b): {"input_ids": [b], "cu_seqlens": [b + 1], "block_table": [b, width]} for b in buckets}
+        else:
+            model = ctx.require("onnx", self.name)
+            findings = host_sync_findings(model)
+            capturable = not findings
+            if self.config.verify and capturable and not _has_cuda_only_ops(model):
+                verified = _run_buckets(model, buckets, width, rt.kv_block_size, cfg.vocab_size, cfg.num_kv_heads,
+                                        cfg.head_dim)
+            nodes = len(model.graph.node)
+            shapes = {str(b): {k: v for k, v in bucket_inputs(model, b, width, rt.num_kv_blocks).items()
+                               if k in ("input_ids", "cu_seqlens", "block_table")} for b in buckets}
         device = ctx.recipe.target.device
         applies = device == "cuda" and capturable
         if device != "cuda":
@@ -219,11 +316,12 @@ class PlanCudaGraphsPass(Pass):
                          "prefill and mixed steps run without a graph",
                 "padded_rows": {"input_ids": 0, "positions": 0, "past_lens": 0, "cu_seqlens": "one token per row",
                                 "block_table": "a row of -1 (past_lens 0: nothing is read)",
-                                "logits": "dropped", "new_kv": "not scattered"},
+                                "logits": "dropped",
+                                "new_kv": "written to an extra pool block that is never scheduled" if torch_target
+                                else "not scattered (slot -1)"},
                 "block_table": f"every row padded with -1 to {width} columns",
             },
-            "bucket_inputs": {str(b): {k: v for k, v in bucket_inputs(model, b, width, rt.num_kv_blocks).items()
-                                       if k in ("input_ids", "cu_seqlens", "block_table")} for b in buckets},
+            "bucket_inputs": shapes,
             "host_sync_findings": findings[:20],
         }
         ctx.artifacts["cuda_graphs"] = plan
@@ -233,5 +331,5 @@ class PlanCudaGraphsPass(Pass):
             "decode_buckets": buckets,
             "host_sync_findings": len(findings),
             "verified_buckets": sorted(int(k) for k in verified) if verified else [],
-            "nodes": len(model.graph.node),
+            "nodes": nodes,
         }

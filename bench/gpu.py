@@ -1,0 +1,215 @@
+"""GPU targets on the demo model: greedy tokens against the CPU artifact, decode speed with and without
+CUDA graphs, time to first token at 512 prompt tokens. The table of tests/gpu/run.sh.
+
+For each GPU target (torch/cuda float32 and float16, onnxruntime/cuda float16, tensorrt/cuda
+float16) whose packages and GPU are present (runtime/gpu.py `missing_for`), the demo is built from a
+recipe derived from recipes/demo-torch-cuda.yaml / demo-onnxruntime-cuda.yaml / demo-tensorrt.yaml
+into --out; a target that cannot run here is a row with the reason.
+
+- greedy: 8 prompts x 32 greedy tokens through the engine (`LLM.generate`), compared token by token
+  with the CPU artifact (recipes/demo.yaml built with --no-autotune): "same" = identical sequences,
+  "agree" = fraction of equal tokens up to the first difference of each sequence;
+- decode b1/b8/b32: the backend's `forward` on hand-made decode batches (one new token per
+  sequence, 512 past tokens each, distinct blocks), logits copied back to the host each step as the
+  engine needs them; tokens/s = batch * steps / time, median of --rounds; once with the CUDA graphs
+  of the manifest's plan ("graphs") and once eagerly ("eager"), the two alternating in each round;
+- TTFT@512: one 512-token prompt, max_tokens=1, through the engine (scheduler, prefill, sampling);
+  median of --rounds, in ms.
+
+    python bench/gpu.py [--out DIR] [--rounds 5] [--steps 50]
+    python bench/gpu.py --device cpu --rounds 1 --steps 2   # the torch rows on CPU ("graphs" = the padded
+                                                            # static-shape path, no capture): checks the script
+Writes DIR/gpu.json and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+PROMPTS = ["def fibonacci(n):\n    if", "import os\nimport sys\n\n", "class Stack:\n    def __init__(self):\n",
+           "for i in range(10):\n    print(", "    try:\n        return self.", "def main():\n    parser = ",
+           "if __name__ == '__main__':\n", "    with open(path) as f:\n"]
+TARGETS = [  # (label, backend, recipe, dtype)
+    ("torch/cuda fp32", "torch", "demo-torch-cuda.yaml", "float32"),
+    ("torch/cuda fp16", "torch", "demo-torch-cuda.yaml", "float16"),
+    ("onnxruntime/cuda fp16", "onnxruntime", "demo-onnxruntime-cuda.yaml", "float16"),
+    ("tensorrt fp16", "tensorrt", "demo-tensorrt.yaml", "float16"),
+]
+
+
+def derived_recipe(src: Path, out: Path, dtype: str, tag: str) -> Path:
+    """The recipe with its dtype, name and output replaced (absolute paths: it is written elsewhere)."""
+    import yaml
+
+    data = yaml.safe_load(src.read_text())
+    data["name"] = f"{data['name']}-{tag}"
+    data["target"]["dtype"] = dtype
+    data["source"]["checkpoint"] = str((src.parent / data["source"]["checkpoint"]).resolve())
+    if DEVICE == "cpu":
+        data.pop("quality", None)  # script check: no quality gate (float16 on CPU is slow)
+    elif data.get("quality", {}).get("eval_data"):
+        data["quality"]["eval_data"] = str((src.parent / data["quality"]["eval_data"]).resolve())
+    data["output"] = str(out)
+    path = out / f"{data['name']}.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def build(recipe: Path) -> tuple[Path, float]:
+    from compiler.build import build as build_artifact
+
+    t = time.perf_counter()
+    folder = build_artifact(recipe, progress=False, autotune=False)
+    return folder, time.perf_counter() - t
+
+
+DEVICE: str | None = None  # --device cpu: run the torch targets on CPU
+
+
+def greedy(artifact: Path, **kw: Any) -> list[list[int]]:
+    from runtime import LLM, SamplingParams
+
+    kw.setdefault("device", DEVICE)
+    llm = LLM(artifact, **kw)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=32, temperature=0))
+    return [list(o.token_ids) for o in outs]
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> tuple[int, float]:
+    same = sum(x == y for x, y in zip(a, b, strict=True))
+    agree = total = 0
+    for x, y in zip(a, b, strict=True):
+        for i, j in zip(x, y, strict=False):
+            total += 1
+            if i != j:
+                break
+            agree += 1
+    return same, agree / max(1, total)
+
+
+def decode_batch(backend: Any, b: int, context: int) -> Any:
+    from runtime.forward_batch import ForwardBatch
+
+    bs = backend.block_size
+    per_seq = -(-(context + 1) // bs)
+    table = np.arange(b * per_seq, dtype=np.int32).reshape(b, per_seq)
+    return ForwardBatch(input_ids=np.arange(3, 3 + b, dtype=np.int64), positions=np.full(b, context, np.int64),
+                        cu_seqlens=np.arange(b + 1, dtype=np.int32), past_lens=np.full(b, context, np.int32),
+                        block_table=table, slot_mapping=table[:, context // bs].astype(np.int64) * bs + context % bs,
+                        logits_index=np.arange(b, dtype=np.int64))
+
+
+def rate(backend: Any, fb: Any, steps: int) -> float:
+    backend.forward(fb)
+    t = time.perf_counter()
+    for _ in range(steps):
+        backend.forward(fb)
+    return fb.num_seqs * steps / (time.perf_counter() - t)
+
+
+def ttft_ms(artifact: Path, rounds: int) -> float:
+    from runtime import LLM, SamplingParams
+
+    llm = LLM(artifact, device=DEVICE)
+    prompt = list(np.arange(512) % 3000 + 10)
+    times = []
+    for _ in range(rounds + 1):
+        t = time.perf_counter()
+        llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0))
+        times.append(1e3 * (time.perf_counter() - t))
+    return statistics.median(times[1:])
+
+
+def measure(artifact: Path, rounds: int, steps: int, batches: list[int], context: int) -> dict[str, Any]:
+    from runtime.engine import LLMEngine
+
+    on = "padded" if DEVICE == "cpu" else "auto"
+    engines = {mode: LLMEngine(artifact, graphs=on if mode == "auto" else "off", device=DEVICE)
+               for mode in ("auto", "off")}
+    graph_mode = getattr(engines["auto"].backend, "graph_mode", "off")
+    samples: dict[str, list[float]] = {}
+    fbs = {b: decode_batch(engines["auto"].backend, b, context) for b in batches}
+    for _ in range(rounds):
+        for mode, eng in engines.items():
+            for b in batches:
+                samples.setdefault(f"{mode}_b{b}", []).append(rate(eng.backend, fbs[b], steps))
+    del engines
+    out = {k: statistics.median(v) for k, v in samples.items()}
+    out["graph_mode"] = graph_mode
+    out["ttft_512_ms"] = ttft_ms(artifact, rounds)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "gpu")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--device", choices=["cpu"], default=None, help="run the torch targets on CPU (script check)")
+    args = ap.parse_args()
+    global DEVICE
+    DEVICE = args.device
+    args.out.mkdir(parents=True, exist_ok=True)
+    from runtime.gpu import describe, missing_for
+
+    env = describe()
+    print(f"GPU: {env['devices'] or env['driver']}; packages: {env['packages']}", flush=True)
+    cpu_recipe = derived_recipe(ROOT / "recipes" / "demo.yaml", args.out, "float32", "cpu")
+    cpu_artifact, cpu_s = build(cpu_recipe)
+    reference = greedy(cpu_artifact, device="cpu")
+    print(f"cpu reference artifact built in {cpu_s:.1f} s", flush=True)
+    batches = [1, 8, 32]
+    rows: list[dict[str, Any]] = []
+    for label, backend, recipe_name, dtype in TARGETS:
+        row: dict[str, Any] = {"target": label}
+        rows.append(row)
+        recipe = ROOT / "recipes" / recipe_name
+        problem = missing_for(backend)
+        if DEVICE == "cpu":
+            problem = None if backend == "torch" else "--device cpu runs the torch targets only"
+        if problem is not None or not recipe.exists():
+            row["skipped"] = problem or f"no {recipe_name}"
+            print(f"{label}: skipped: {row['skipped']}", flush=True)
+            continue
+        try:
+            artifact, seconds = build(derived_recipe(recipe, args.out, dtype, dtype))
+            row["build_s"] = round(seconds, 1)
+            same, agree = agreement(reference, greedy(artifact))
+            row.update(greedy_same=f"{same}/{len(PROMPTS)}", greedy_agree=round(agree, 4))
+            row.update(measure(artifact, args.rounds, args.steps, batches, args.context))
+        except Exception as e:  # one target failing must not hide the others
+            row["error"] = f"{type(e).__name__}: {e}"
+            traceback.print_exc()
+        print(json.dumps(row), flush=True)
+    head = ["target", "greedy =CPU", "agree", *[f"b{b} graphs/eager tok/s" for b in batches], "TTFT@512 ms"]
+    print("\n| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    for r in rows:
+        if "skipped" in r or "error" in r:
+            print(f"| {r['target']} | " + (f"skipped: {r['skipped']}" if "skipped" in r else f"error: {r['error']}")
+                  + " |" * (len(head) - 1))
+            continue
+        cells = [f"{r['auto_b' + str(b)]:.0f} / {r['off_b' + str(b)]:.0f} ({r['auto_b' + str(b)] / r['off_b' + str(b)]:.2f}x)"
+                 for b in batches]
+        print(f"| {r['target']} | {r['greedy_same']} | {r['greedy_agree']} | " + " | ".join(cells)
+              + f" | {r['ttft_512_ms']:.1f} |")
+    (args.out / "gpu.json").write_text(json.dumps({
+        "host": {"machine": platform.machine(), "python": platform.python_version()}, "gpu": env,
+        "context": args.context, "steps": args.steps, "rounds": args.rounds, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

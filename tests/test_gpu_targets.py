@@ -1,0 +1,151 @@
+"""The GPU targets on a machine without a GPU: what builds here, what the artifacts hold, the padded
+decode-bucket path the CUDA graphs replay (run here without capture, against transformers), and the
+early messages when a GPU artifact is loaded where it cannot run. The GPU runs are in tests/gpu/."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import DEMO_MODEL, make_random_checkpoint, write_recipe
+from test_parity import hf_greedy, hf_model, prompts_of, staggered_greedy
+
+from compiler.build import build, plan
+from compiler.passes.plan_cuda_graphs import fx_host_sync_findings
+from compiler.recipe import RecipeError
+from runtime.engine import LLM, LLMEngine
+from runtime.gpu import GpuEnvironment, missing_for, probe
+from runtime.sampling import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[1]
+TORCH_CUDA_PASSES = "  - name: capture\n  - name: plan_cuda_graphs\n  - name: package\n"
+NO_GPU = missing_for("torch") is not None
+
+
+@pytest.fixture(scope="module")
+def torch_cuda_artifact(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A random Llama built for torch/cuda float32 (on this CPU machine), with its checkpoint."""
+    folder = tmp_path_factory.mktemp("torch-cuda")
+    ckpt = make_random_checkpoint(folder / "ckpt", "LlamaForCausalLM", seed=5)
+    recipe = write_recipe(folder, ckpt, passes=TORCH_CUDA_PASSES, backend="torch", device="cuda")
+    return build(recipe, progress=False), ckpt
+
+
+def test_torch_cuda_artifact_builds_on_cpu_with_a_capturable_plan(torch_cuda_artifact: tuple[Path, Path]) -> None:
+    artifact, _ = torch_cuda_artifact
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    assert manifest["target"] == {"backend": "torch", "device": "cuda", "dtype": "float32",
+                                  "kv_cache_dtype": "float32"}
+    plan_ = manifest["cuda_graphs"]
+    assert plan_["applies"] and plan_["capturable"] and plan_["host_sync_findings"] == []
+    assert plan_["decode_buckets"] == [1, 2, 4, 8] and plan_["block_table_width"] == 32
+    stats = next(p["stats"] for p in manifest["passes"] if p["name"] == "plan_cuda_graphs")
+    assert stats["verified_buckets"] == [1, 2, 4, 8]  # each bucket ran twice on CPU with fixed shapes
+    assert json.loads((artifact / "runtime.json").read_text())["device"] == "cuda"
+
+
+@pytest.mark.skipif(not NO_GPU, reason="this machine can run torch on CUDA (tests/gpu covers it)")
+def test_torch_cuda_artifact_refuses_to_load_without_a_gpu(torch_cuda_artifact: tuple[Path, Path]) -> None:
+    artifact, _ = torch_cuda_artifact
+    with pytest.raises(RuntimeError) as e:
+        LLM(artifact)
+    msg = str(e.value)
+    assert msg.startswith("target torch/cuda cannot run on this machine; missing: ")
+    assert "pip install '.[gpu]'" in msg and "device='cpu'" in msg
+
+
+def test_padded_decode_buckets_match_transformers_and_the_eager_path(torch_cuda_artifact: tuple[Path, Path]) -> None:
+    """The static-shape step CUDA graphs replay (batch padded to the bucket, block table to the plan's
+    width, padding rows writing to the spare block), run on CPU: same greedy tokens as transformers."""
+    artifact, ckpt = torch_cuda_artifact
+    prompts = prompts_of([5, 17, 33, 9, 12], seed=3)
+    padded = LLMEngine(artifact, device="cpu", graphs="padded")
+    assert padded.backend.graph_mode == "padded" and padded.backend.buckets == [1, 2, 4, 8]
+    got = staggered_greedy(padded, prompts, [0, 0, 2, 5, 6], 12)
+    assert padded.backend.bucket_steps > 10  # decode steps of 1..5 sequences ran in buckets 1..8
+    eager = LLMEngine(artifact, device="cpu", graphs="off")
+    assert staggered_greedy(eager, prompts, [0, 0, 2, 5, 6], 12) == got
+    assert eager.backend.bucket_steps == 0
+    model = hf_model(ckpt)
+    assert got == [hf_greedy(model, p, 12) for p in prompts]
+
+
+def test_torch_cuda_float16_program_runs_padded_on_cpu(tmp_path: Path) -> None:
+    ckpt = make_random_checkpoint(tmp_path / "ckpt", "Qwen2ForCausalLM", seed=8)
+    recipe = write_recipe(tmp_path, ckpt, passes=TORCH_CUDA_PASSES, backend="torch", device="cuda", dtype="float16")
+    artifact = build(recipe, progress=False)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    outs = {mode: [o.token_ids for o in LLM(artifact, device="cpu", graphs=mode).generate(
+        ["def f(x):", "import os", "class A:"], params)] for mode in ("off", "padded")}
+    assert outs["off"] == outs["padded"] and all(len(t) == 8 for t in outs["off"])
+    llm = LLM(artifact, device="cpu")
+    assert llm.engine.backend._k[0].dtype == torch.float16
+
+
+def test_fx_host_sync_findings_flag_data_dependent_programs() -> None:
+    class Sync(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x[x > 0].sum() + torch.nonzero(x).shape[0]
+
+    class Static(torch.nn.Module):
+        def forward(self, x: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+            return torch.softmax(x[i], -1)
+
+    found = fx_host_sync_findings(torch.export.export(Sync(), (torch.randn(8),)))
+    assert found and all(f["reason"] for f in found)
+    assert any("nonzero" in f["op"] for f in found)
+    assert fx_host_sync_findings(torch.export.export(Static(), (torch.randn(8, 4), torch.tensor([1, 3])))) == []
+
+
+def test_onnxruntime_cuda_demo_builds_here_with_paged_attention(tmp_path: Path) -> None:
+    artifact = build(ROOT / "recipes" / "demo-onnxruntime-cuda.yaml", progress=False, output=tmp_path)
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    assert manifest["kernels"]["attention"]["variant"] == "paged_attention"
+    select = next(p["stats"] for p in manifest["passes"] if p["name"] == "select_attention")
+    reasons = {c["variant"]: c["reason"] for c in select["candidates"]}
+    assert "in-place cache write" in reasons["decomposed"] and "in-place cache write" in reasons["gqa"]
+    fuse = next(p["stats"] for p in manifest["passes"] if p["name"] == "fuse")
+    assert fuse["checks"]["paged_attention_schema"] == "6 nodes valid"
+    assert fuse["fusions"]["qkv"] == 6 and fuse["fusions"]["gate_up"] == 6
+    assert manifest["cuda_graphs"]["capturable"] and manifest["cuda_graphs"]["applies"]
+    if missing_for("onnxruntime") is not None:
+        assert manifest["quality"]["evaluated"] is False
+        assert manifest["quality"]["reason"].startswith("not evaluated on the build machine: target onnxruntime/cuda")
+        with pytest.raises(RuntimeError, match="onnxruntime-gpu"):
+            LLM(artifact)
+
+
+@pytest.mark.parametrize("backend,device,dtype,words", [
+    ("torch", "cpu", "bfloat16", "dtype bfloat16 is not supported for torch/cpu; use float32"),
+    ("onnxruntime", "cuda", "float32", "dtype float32 is not supported for onnxruntime/cuda; use float16"),
+])
+def test_target_dtypes_are_checked(tmp_path: Path, backend: str, device: str, dtype: str, words: str) -> None:
+    passes = TORCH_CUDA_PASSES if backend == "torch" else None
+    recipe = write_recipe(tmp_path, DEMO_MODEL, passes=passes, backend=backend, device=device, dtype=dtype)
+    with pytest.raises(RecipeError, match=words) as e:
+        plan(recipe)
+    assert e.value.field == "target.dtype"
+
+
+def test_missing_for_names_what_each_gpu_target_lacks() -> None:
+    bare = GpuEnvironment("no NVIDIA driver (libcuda) on this machine", (), {
+        "torch.cuda": None, "onnxruntime.cuda": None, "tensorrt": None, "pycuda": None})
+    assert missing_for("torch", bare) == (
+        "target torch/cuda cannot run on this machine; missing: a CUDA build of torch (this torch has no CUDA); "
+        "an NVIDIA GPU: no NVIDIA driver (libcuda) on this machine. Install with pip install '.[gpu]' "
+        "(CUDA builds of the GPU packages) on a machine with an NVIDIA GPU and driver")
+    trt = missing_for("tensorrt", bare)
+    assert trt is not None and "tensorrt (the TensorRT Python package)" in trt and "pycuda" in trt
+    from runtime.gpu import Device
+
+    ready = GpuEnvironment(None, (Device(0, "NVIDIA H200", "9.0", 1 << 37),), {
+        "torch.cuda": "13.0", "onnxruntime.cuda": None, "tensorrt": None, "pycuda": None})
+    assert missing_for("torch", ready) is None
+    assert missing_for("onnxruntime", ready) == (
+        "target onnxruntime/cuda cannot run on this machine; missing: onnxruntime-gpu (this onnxruntime has no "
+        "CUDAExecutionProvider). Install with pip install '.[gpu]' (CUDA builds of the GPU packages) on a machine "
+        "with an NVIDIA GPU and driver")
+    here = probe()  # the real machine: consistent with what torch says
+    assert here.has_gpu == (here.driver is None)
