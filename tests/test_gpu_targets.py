@@ -29,7 +29,8 @@ def torch_cuda_artifact(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path,
     """A random Llama built for torch/cuda float32 (on this CPU machine), with its checkpoint."""
     folder = tmp_path_factory.mktemp("torch-cuda")
     ckpt = make_random_checkpoint(folder / "ckpt", "LlamaForCausalLM", seed=5)
-    recipe = write_recipe(folder, ckpt, passes=TORCH_CUDA_PASSES, backend="torch", device="cuda")
+    quality = f"quality:\n  eval_data: {DEMO_MODEL / 'eval.txt'}\n  max_eval_tokens: 512\n  max_kl_divergence: 1.0e-6\n"
+    recipe = write_recipe(folder, ckpt, passes=TORCH_CUDA_PASSES, backend="torch", device="cuda", extra=quality)
     return build(recipe, progress=False), ckpt
 
 
@@ -44,6 +45,10 @@ def test_torch_cuda_artifact_builds_on_cpu_with_a_capturable_plan(torch_cuda_art
     stats = next(p["stats"] for p in manifest["passes"] if p["name"] == "plan_cuda_graphs")
     assert stats["verified_buckets"] == [1, 2, 4, 8]  # each bucket ran twice on CPU with fixed shapes
     assert json.loads((artifact / "runtime.json").read_text())["device"] == "cuda"
+    # the quality gate ran the same program (on CPU when this machine has no GPU) against the reference
+    quality = manifest["quality"]
+    assert quality["evaluated"] and quality["passed"] and quality["device"] == ("cpu" if NO_GPU else "cuda")
+    assert quality["metrics"]["token_agreement"] == 1.0 and quality["metrics"]["kl_divergence"] < 1e-6
 
 
 @pytest.mark.skipif(not NO_GPU, reason="this machine can run torch on CUDA (tests/gpu covers it)")

@@ -9,6 +9,7 @@ longest prompt.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -53,9 +54,12 @@ def demo_any(request: pytest.FixtureRequest, demo_artifact: Path, tmp_path_facto
         return demo_artifact
     folder = tmp_path_factory.mktemp("demo-torch")
     text = (DEMO_RECIPE.parent / "demo-torch.yaml").read_text(encoding="utf-8")
-    text = text.replace("../models/", f"{DEMO_MODEL.parent}/").replace("max_eval_tokens: 8192", "max_eval_tokens: 1024")
-    text = text.replace("  max_perplexity: 16.0\n", "")  # the card's value holds for 8192 tokens, not the first 1024
-    recipe = folder / "demo-torch.yaml"  # a shorter quality gate (vs. the reference): this module checks parity
+    text = text.replace("../models/", f"{DEMO_MODEL.parent}/")
+    # no quality gate: this module checks the artifact against transformers itself (test_torch_target.py
+    # builds the torch target with its gate)
+    text = re.sub(r"\nquality:\n(  .*\n)+", "\n", text)
+    assert "quality:" not in text
+    recipe = folder / "demo-torch.yaml"
     recipe.write_text(text, encoding="utf-8")
     return build(recipe, progress=False, output=folder / "out")
 
@@ -231,7 +235,8 @@ def test_demo_generation_matches_model_card(demo_artifact: Path) -> None:
 
 @pytest.mark.slow
 def test_demo_eval_perplexity_matches_transformers(demo_artifact: Path) -> None:
-    """`optimize eval` on eval.txt equals transformers' perplexity to 4 significant digits."""
+    """`optimize eval` on eval.txt (its first 2048 tokens: 8 chunks) equals transformers' perplexity to 4
+    significant digits."""
     import json
     import math
     import subprocess
@@ -239,11 +244,11 @@ def test_demo_eval_perplexity_matches_transformers(demo_artifact: Path) -> None:
 
     proc = subprocess.run(
         [sys.executable, "-m", "compiler.cli", "eval", str(demo_artifact), "--data",
-         str(DEMO_MODEL / "eval.txt"), "--json"], capture_output=True, text=True, check=True)
+         str(DEMO_MODEL / "eval.txt"), "--max-tokens", "2048", "--json"], capture_output=True, text=True, check=True)
     ours = json.loads(proc.stdout)
     tok = transformers.AutoTokenizer.from_pretrained(DEMO_MODEL)
     ids = tok((DEMO_MODEL / "eval.txt").read_text(encoding="utf-8"), add_special_tokens=False).input_ids
-    n = len(ids) // 256
+    n = min(len(ids), 2048) // 256
     chunks = torch.tensor(ids[: n * 256]).view(n, 256)
     model = hf_model(DEMO_MODEL)
     nll, count = 0.0, 0

@@ -123,36 +123,6 @@ def test_impossible_bound_fails_the_build_with_the_table_and_no_artifact(tmp_pat
     assert not out.exists() or not any(out.rglob("*")), sorted(out.rglob("*"))
 
 
-@pytest.mark.slow
-def test_same_recipe_and_calibration_give_byte_identical_quantized_weights(demo: object) -> None:
-    """A second AWQ and GPTQ run (in process) produce exactly the bytes in the built artifacts (RTN goes
-    through the same packing code without calibration)."""
-    import torch
-
-    from compiler.checkpoint import load_weights
-    from compiler.models.llama import LlamaForwardBatchModel
-    from compiler.passes import BuildContext
-    from compiler.quant.int4 import pack_matmulnbits
-
-    for method in ("int4-awq", "int4-gptq"):
-        artifact = demo(method)  # type: ignore[operator]
-        p = plan(RECIPES[method])
-        ctx = BuildContext(recipe=p.recipe, checkpoint=p.checkpoint, staging=artifact)
-        model = LlamaForwardBatchModel(p.checkpoint.config, p.recipe.runtime.kv_block_size)
-        model.load_hf_state_dict(load_weights(p.checkpoint), torch.float32)
-        ctx.artifacts["model"] = model.eval()
-        ctx.completed.append("capture")
-        quant = next(ps for ps in p.passes if ps.name.startswith("quantize_"))
-        stats = quant.run(ctx)
-        assert stats["calibration"] == _pass_stats(artifact, quant.name)["calibration"]
-        inits = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(artifact / "model.onnx")).graph.initializer}
-        for name, q in ctx.artifacts["quant"].weights.items():
-            b, s, z = pack_matmulnbits(q.data)
-            assert np.array_equal(inits[f"{name}_nbits"], b), name
-            assert inits[f"{name}_nbits_scales"].tobytes() == s.tobytes(), name
-            assert np.array_equal(inits[f"{name}_nbits_zero_points"], z), name
-
-
 # ------------------------------------------------------------------------------ small random model
 
 
@@ -268,3 +238,42 @@ def test_calibration_file_must_exist(tmp_path: Path) -> None:
     with pytest.raises(RecipeError, match="calibration data file not found") as e:
         plan(recipe)
     assert e.value.field == "calibration.data"
+
+
+@pytest.mark.parametrize("method,options", [
+    ("awq", "      group_size: 32\n      n_grid: 10\n      clip: true\n"),
+    ("gptq", "      group_size: 32\n      act_order: true\n"),
+])
+def test_same_recipe_and_calibration_give_byte_identical_quantized_weights(small: tuple[Path, Path], method: str,
+                                                                          options: str) -> None:
+    """A second AWQ / GPTQ run (in process) produces exactly the bytes in the built artifact (RTN goes
+    through the same packing code without calibration)."""
+    import torch
+
+    from compiler.checkpoint import load_weights
+    from compiler.models.llama import LlamaForwardBatchModel
+    from compiler.passes import BuildContext
+    from compiler.quant.int4 import pack_matmulnbits
+
+    folder, ckpt = small
+    recipe = _small_recipe(folder, ckpt, f"identical-{method}",
+                           f"  - name: capture\n  - name: quantize_{method}\n    options:\n{options}"
+                           "  - name: lower_onnx\n  - name: lower_quant\n  - name: package\n")
+    artifact = build(recipe, progress=False)
+    p = plan(recipe)
+    ctx = BuildContext(recipe=p.recipe, checkpoint=p.checkpoint, staging=artifact)
+    model = LlamaForwardBatchModel(p.checkpoint.config, p.recipe.runtime.kv_block_size)
+    model.load_hf_state_dict(load_weights(p.checkpoint), torch.float32)
+    ctx.artifacts["model"] = model.eval()
+    ctx.completed.append("capture")
+    quant = next(ps for ps in p.passes if ps.name.startswith("quantize_"))
+    stats = quant.run(ctx)
+    assert stats["calibration"] == _pass_stats(artifact, quant.name)["calibration"]
+    inits = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(artifact / "model.onnx")).graph.initializer}
+    weights = ctx.artifacts["quant"].weights
+    assert len(weights) == 14  # every Linear of the 2 layers (lm_head too: no ignore list here)
+    for name, q in weights.items():
+        b, s_, z = pack_matmulnbits(q.data)
+        assert np.array_equal(inits[f"{name}_nbits"], b), name
+        assert inits[f"{name}_nbits_scales"].tobytes() == s_.tobytes(), name
+        assert np.array_equal(inits[f"{name}_nbits_zero_points"], z), name
