@@ -1,8 +1,8 @@
 """GPU targets on the demo model: greedy tokens against the CPU artifact, decode speed with and without
 CUDA graphs, time to first token at 512 prompt tokens. The table of tests/gpu/run.sh.
 
-For each GPU target (torch/cuda float32 and float16, onnxruntime/cuda float16, tensorrt/cuda
-float16) whose packages and GPU are present (runtime/gpu.py `missing_for`), the demo is built from a
+For each GPU target (torch/cuda float32, float16 and FP8 weights, onnxruntime/cuda float16 and INT4
+weights, tensorrt/cuda float16) whose packages and GPU are present (runtime/gpu.py `missing_for`), the demo is built from a
 recipe derived from recipes/demo-torch-cuda.yaml / demo-onnxruntime-cuda.yaml / demo-tensorrt.yaml
 into --out; a target that cannot run here is a row with the reason.
 
@@ -45,7 +45,9 @@ PROMPTS = ["def fibonacci(n):\n    if", "import os\nimport sys\n\n", "class Stac
 TARGETS = [  # (label, backend, recipe, dtype)
     ("torch/cuda fp32", "torch", "demo-torch-cuda.yaml", "float32"),
     ("torch/cuda fp16", "torch", "demo-torch-cuda.yaml", "float16"),
+    ("torch/cuda fp16 + fp8 weights", "torch", "demo-torch-cuda-fp8.yaml", "float16"),
     ("onnxruntime/cuda fp16", "onnxruntime", "demo-onnxruntime-cuda.yaml", "float16"),
+    ("onnxruntime/cuda fp16 + int4", "onnxruntime", "demo-onnxruntime-cuda-int4.yaml", "float16"),
     ("tensorrt fp16", "tensorrt", "demo-tensorrt.yaml", "float16"),
 ]
 
@@ -58,6 +60,8 @@ def derived_recipe(src: Path, out: Path, dtype: str, tag: str) -> Path:
     data["name"] = f"{data['name']}-{tag}"
     data["target"]["dtype"] = dtype
     data["source"]["checkpoint"] = str((src.parent / data["source"]["checkpoint"]).resolve())
+    if data.get("calibration", {}).get("data"):
+        data["calibration"]["data"] = str((src.parent / data["calibration"]["data"]).resolve())
     if DEVICE == "cpu":
         data.pop("quality", None)  # script check: no quality gate (float16 on CPU is slow)
     elif data.get("quality", {}).get("eval_data"):

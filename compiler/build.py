@@ -147,9 +147,11 @@ def _check_quantization_order(recipe: Recipe) -> None:
         if "lower_onnx" in names[:i]:
             raise recipe.error(f"passes[{i}].name", f"pass {name!r} must come before lower_onnx "
                                "(it changes the weights that are lowered)")
-        if "lower_quant" not in names[i + 1:]:
-            raise recipe.error(f"passes[{i}].name", f"pass {name!r} needs 'lower_quant' later in the list "
-                               "(after lower_onnx), or the artifact would hold float weights")
+        lowering = "lower_quant_torch" if recipe.target.backend == "torch" else "lower_quant"
+        if lowering not in names[i + 1:]:
+            where = "" if lowering == "lower_quant_torch" else " (after lower_onnx)"
+            raise recipe.error(f"passes[{i}].name", f"pass {name!r} needs {lowering!r} later in the list{where}, "
+                               "or the artifact would hold float weights")
 
 
 def _tool_versions() -> dict[str, str]:

@@ -154,3 +154,20 @@ def test_missing_for_names_what_each_gpu_target_lacks() -> None:
         "with an NVIDIA GPU and driver")
     here = probe()  # the real machine: consistent with what torch says
     assert here.has_gpu == (here.driver is None)
+
+
+def test_onnxruntime_cuda_int4_lowers_to_float16_matmulnbits(tmp_path: Path) -> None:
+    import onnx
+
+    ckpt = make_random_checkpoint(tmp_path / "ckpt", "LlamaForCausalLM", seed=9)
+    passes = ("  - name: select_attention\n  - name: capture\n  - name: quantize_rtn\n    options:\n"
+              "      group_size: 32\n      ignore: [lm_head]\n  - name: lower_onnx\n  - name: lower_quant\n"
+              "  - name: fuse\n  - name: package\n")
+    artifact = build(write_recipe(tmp_path, ckpt, passes=passes, device="cuda", dtype="float16"), progress=False)
+    model = onnx.load(str(artifact / "model.onnx"))
+    types = {t.name: t.data_type for t in model.graph.initializer}
+    nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
+    # q/k/v and gate/up fused along N by the fuse pass: 4 per layer (qkv, o, gate_up, down)
+    assert len(nbits) == 8 and all(types[n.input[2]] == onnx.TensorProto.FLOAT16 for n in nbits)
+    assert sum(n.op_type == "PagedAttention" for n in model.graph.node) == 2
+    assert model.graph.output[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT  # logits

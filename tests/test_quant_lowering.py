@@ -73,6 +73,35 @@ def test_weight_to_qdq_then_matmulnbits_keeps_the_outputs() -> None:
     np.testing.assert_allclose(nbits, before, rtol=1e-4, atol=1e-4)
 
 
+def test_float16_graphs_get_float16_scales_and_the_same_outputs() -> None:
+    """The float16 targets (onnxruntime/cuda): DequantizeLinear and MatMulNBits scales in float16, so the
+    types line up with the float16 activations; outputs as the float16 dequantized weight gives them."""
+    q = _int4_weight()
+    deq = q.data.dequantize().numpy().astype(np.float16)
+    x = np.random.default_rng(0).standard_normal((7, K)).astype(np.float16)
+    model = _gemm_model(deq.copy())
+    model.graph.input[0].type.tensor_type.elem_type = TensorProto.FLOAT16
+    model.graph.output[0].type.tensor_type.elem_type = TensorProto.FLOAT16
+    (before,) = _run(model, {"x": x})
+    g = R.Graph(model)
+    assert R.WeightToQdq().check(g, q) == "initializer is FLOAT16, not FLOAT"  # a float32 rule refuses it
+    rule = R.WeightToQdq(np.float16)
+    assert rule.check(g, q) is None
+    dq = rule.rewrite(g, q)
+    g.commit()
+    assert {t.name: t.data_type for t in model.graph.initializer}[dq.input[1]] == TensorProto.FLOAT16
+    (qdq,) = _run(model, {"x": x})
+    np.testing.assert_allclose(qdq.astype(np.float32), before.astype(np.float32), rtol=2e-2, atol=2e-2)
+    g = R.Graph(model)
+    nbits = R.DqGemmToMatMulNBits(np.float16)
+    assert nbits.rewrite(g, g.nodes[0], {dq.input[0]: q.data}, accuracy_level=0) == 1
+    g.commit()
+    model.opset_import.append(helper.make_opsetid(R.MS_DOMAIN, 1))
+    assert {t.name: t.data_type for t in model.graph.initializer}[model.graph.node[0].input[2]] == TensorProto.FLOAT16
+    (out,) = _run(model, {"x": x})
+    np.testing.assert_allclose(out.astype(np.float32), before.astype(np.float32), rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("case,reason", [
     ("bias", "has alpha != 1 or a bias"),
     ("extra_use", "also feeds Transpose"),

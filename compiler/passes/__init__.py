@@ -8,6 +8,7 @@ from compiler.passes.capture import CapturePass
 from compiler.passes.fuse import FusePass
 from compiler.passes.lower_onnx import LowerOnnxPass
 from compiler.passes.lower_quant import LowerQuantPass
+from compiler.passes.lower_quant_torch import LowerQuantTorchPass
 from compiler.passes.package import PackagePass
 from compiler.passes.plan_cuda_graphs import PlanCudaGraphsPass
 from compiler.passes.quantize_awq import QuantizeAwqPass
@@ -33,6 +34,7 @@ PASSES: dict[str, type[Pass]] = {
         # lowering
         LowerOnnxPass,
         LowerQuantPass,
+        LowerQuantTorchPass,  # the torch targets' twin of lower_quant (FP8 into the program)
         FusePass,
         # planning (on the final graph)
         PlanCudaGraphsPass,

@@ -67,12 +67,17 @@ class LowerQuantPass(Pass):
         if any(isinstance(q.data, Int4Weight) for q in st.weights.values()):
             stats["int4_format"] = self.config.int4_format
 
+        # the graph's float type: scales and activation constants are stored in it
+        dtype = ctx.recipe.target.dtype
+        if dtype not in ("float32", "float16"):
+            raise BuildError(f"lower_quant: {dtype} graphs are not lowered (numpy has no {dtype}); use float16")
+        float_type = np.float32 if dtype == "float32" else np.float16
         # 1. the float initializers must hold the torch model's (quantized, AWQ-scaled) values
         synced = 0
         torch_model = ctx.require("model", self.name)
         for pname, p in torch_model.named_parameters():
             init = g.inits.get(pname)
-            value = p.detach().to(torch.float32).contiguous().numpy()
+            value = p.detach().to(getattr(torch, dtype)).contiguous().numpy()
             if init is None or tuple(init.dims) != value.shape:
                 ref = ctx.artifacts.get("reference_model")
                 if ref is not None and not torch.equal(ref.get_parameter(pname), p) and pname not in st.weights:
@@ -86,7 +91,7 @@ class LowerQuantPass(Pass):
 
         # 2. weights -> DequantizeLinear
         fp32_bytes = sum(int(np.prod(q.data.shape)) * 4 for q in st.weights.values())
-        to_qdq, act = R.WeightToQdq(), R.ActivationQdq()
+        to_qdq, act = R.WeightToQdq(float_type), R.ActivationQdq(float_type)
         misses: dict[str, str] = {}
         dq_nodes: dict[str, Any] = {}
         for name, q in sorted(st.weights.items()):
@@ -116,7 +121,7 @@ class LowerQuantPass(Pass):
         # 4. INT4 DQ + Gemm -> MatMulNBits
         int4 = {dq_nodes[n].input[0]: q.data for n, q in st.weights.items() if isinstance(q.data, Int4Weight)}
         if int4 and self.config.int4_format == "matmulnbits":
-            rule = R.DqGemmToMatMulNBits()
+            rule = R.DqGemmToMatMulNBits(float_type)
             fired, not_fused = 0, {}
             for name in sorted(st.weights):
                 dq = dq_nodes[name]

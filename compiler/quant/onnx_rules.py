@@ -146,8 +146,17 @@ class RuleResult:
         self.reasons[what] = why
 
 
+_ONNX_FLOAT = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16}
+
+
 class WeightToQdq:
-    """Quantized weight initializer -> DequantizeLinear from its stored (INT4 / FP8) form."""
+    """Quantized weight initializer -> DequantizeLinear from its stored (INT4 / FP8) form.
+
+    `float_type` is the graph's float element type (float32, or float16 for the float16 targets): the
+    scales are stored in it, so DequantizeLinear yields what the initializer held."""
+
+    def __init__(self, float_type: type = np.float32) -> None:
+        self.float_type = np.dtype(float_type)
 
     def check(self, g: Graph, q: QuantizedWeight) -> str | None:
         init = g.inits.get(q.name)
@@ -155,8 +164,10 @@ class WeightToQdq:
             return "no initializer of that name in the lowered graph"
         if tuple(init.dims) != q.data.shape:
             return f"initializer shape {tuple(init.dims)} != quantized {q.data.shape}"
-        if init.data_type != TensorProto.FLOAT:
-            return f"initializer is {TensorProto.DataType.Name(init.data_type)}, not FLOAT"
+        want = _ONNX_FLOAT[self.float_type]
+        if init.data_type != want:
+            return (f"initializer is {TensorProto.DataType.Name(init.data_type)}, not "
+                    f"{TensorProto.DataType.Name(want)}")
         if not g.consumers(q.name):
             return "nothing reads the initializer"
         return None
@@ -168,7 +179,7 @@ class WeightToQdq:
         if isinstance(d, Int4Weight):
             inputs = [
                 g.add_init(_tensor(d.codes.astype(ml_dtypes.uint4), g.unique(f"{base}_quantized"))),
-                g.add_init(_tensor(d.scales, g.unique(f"{base}_scale"))),
+                g.add_init(_tensor(d.scales.astype(self.float_type), g.unique(f"{base}_scale"))),
                 g.add_init(_tensor(d.zeros.astype(ml_dtypes.uint4), g.unique(f"{base}_zero_point"))),
             ]
             node = helper.make_node("DequantizeLinear", inputs, [out], name=g.unique(f"{base}_DequantizeLinear"),
@@ -177,7 +188,7 @@ class WeightToQdq:
             codes = d.codes.view(ml_dtypes.float8_e4m3fn)
             inputs = [
                 g.add_init(_tensor(codes, g.unique(f"{base}_quantized"))),
-                g.add_init(_tensor(d.scales.astype(np.float32), g.unique(f"{base}_scale"))),
+                g.add_init(_tensor(d.scales.astype(self.float_type), g.unique(f"{base}_scale"))),
             ]
             kw = {"axis": 0} if d.scales.ndim == 1 else {}
             node = helper.make_node("DequantizeLinear", inputs, [out], name=g.unique(f"{base}_DequantizeLinear"), **kw)
@@ -189,7 +200,11 @@ class WeightToQdq:
 
 
 class ActivationQdq:
-    """FP8 activations: Q/DQ on the A input of each Gemm that reads an FP8 weight's DequantizeLinear."""
+    """FP8 activations: Q/DQ on the A input of each Gemm that reads an FP8 weight's DequantizeLinear
+    (scales and constants in the graph's float type)."""
+
+    def __init__(self, float_type: type = np.float32) -> None:
+        self.float_type = np.dtype(float_type)
 
     def check(self, g: Graph, q: QuantizedWeight, dq_out: str) -> str | None:
         gemms = [n for n in g.consumers(dq_out) if n.op_type == "Gemm" and list(n.input[1:2]) == [dq_out]]
@@ -203,13 +218,13 @@ class ActivationQdq:
             x = gemm.input[0]
             key = (x, q.act_scale if q.act_mode == "static" else -1.0)
             if key not in shared:
-                shared[key] = self._qdq(g, x, q)
+                shared[key] = self._qdq(g, x, q, self.float_type)
                 n_new += 1
             gemm.input[0] = shared[key]
         return n_new
 
     @staticmethod
-    def _qdq(g: Graph, x: str, q: QuantizedWeight) -> str:
+    def _qdq(g: Graph, x: str, q: QuantizedWeight, ft: np.dtype) -> str:
         base = x
         zp = ""
         if q.act_mode == "static":
@@ -218,12 +233,12 @@ class ActivationQdq:
         nodes: list[onnx.NodeProto] = []
         kw: dict[str, int] = {}
         if q.act_mode == "static":
-            scale = g.add_init(_tensor(np.array(q.act_scale, np.float32), g.unique(f"{base}_fp8_scale")))
+            scale = g.add_init(_tensor(np.array(q.act_scale, ft), g.unique(f"{base}_fp8_scale")))
         else:  # dynamic per token: scale[t] = max(amax(|x[t, :]|) / 448, tiny)
             ab, am, sc = g.unique(f"{base}_abs"), g.unique(f"{base}_amax"), g.unique(f"{base}_fp8_scale")
             axes = g.add_init(_tensor(np.array([1], np.int64), g.unique(f"{base}_axes")))
-            div = g.add_init(_tensor(np.array(E4M3_MAX, np.float32), g.unique(f"{base}_e4m3_max")))
-            tiny = g.add_init(_tensor(np.array(1e-12, np.float32), g.unique(f"{base}_min_scale")))
+            div = g.add_init(_tensor(np.array(E4M3_MAX, ft), g.unique(f"{base}_e4m3_max")))
+            tiny = g.add_init(_tensor(np.array(1e-12 if ft == np.float32 else 1e-7, ft), g.unique(f"{base}_min_scale")))
             sd = g.unique(f"{base}_scaled")
             nodes += [
                 helper.make_node("Abs", [x], [ab], name=g.unique(f"{base}_Abs")),
@@ -252,7 +267,11 @@ class ActivationQdq:
 
 
 class DqGemmToMatMulNBits:
-    """DequantizeLinear(uint4, axis=1, block_size) feeding Gemm(transB=1) as B -> MatMulNBits."""
+    """DequantizeLinear(uint4, axis=1, block_size) feeding Gemm(transB=1) as B -> MatMulNBits (its scales
+    in the graph's float type: MatMulNBits takes them in A's type)."""
+
+    def __init__(self, float_type: type = np.float32) -> None:
+        self.float_type = np.dtype(float_type)
 
     def check(self, g: Graph, dq: onnx.NodeProto) -> str | None:
         if dq.op_type != "DequantizeLinear":
@@ -284,7 +303,8 @@ class DqGemmToMatMulNBits:
         n, k = q.shape
         b, s, z = pack_matmulnbits(q)
         base = dq.input[0].removesuffix("_quantized")
-        ins = [g.add_init(_tensor(b, g.unique(f"{base}_nbits"))), g.add_init(_tensor(s, g.unique(f"{base}_nbits_scales"))),
+        ins = [g.add_init(_tensor(b, g.unique(f"{base}_nbits"))),
+               g.add_init(_tensor(s.astype(self.float_type), g.unique(f"{base}_nbits_scales"))),
                g.add_init(_tensor(z, g.unique(f"{base}_nbits_zero_points")))]
         fired = 0
         for u in g.consumers(dq.output[0]):

@@ -83,6 +83,8 @@ class TorchBackend:
                                f"({', '.join(_KV_DTYPES)})")
         tdtype = getattr(torch, kv_name)
         self.kv_dtype = np.dtype(kv_name) if kv_name != "bfloat16" else None  # numpy has no bfloat16
+        from runtime.backends import torch_ops  # noqa: F401 (registers the custom ops the program may call)
+
         exported = torch.export.load(str(model_path))
         if device != "cpu":
             from torch.export.passes import move_to_device_pass

@@ -37,3 +37,25 @@ def test_cuda_graphs_replay_and_match_transformers(artifact: tuple[Path, Path]) 
     assert staggered_greedy(eager, prompts, [0, 0, 2, 5, 6], 16) == got
     model = hf_model(ckpt)
     assert got == [hf_greedy(model, p, 16) for p in prompts]
+
+
+def test_fp8_linears_run_on_the_gpu_and_agree_with_cpu(tmp_path: Path) -> None:
+    """FP8 weights + static activations: torch._scaled_mm on GPUs with FP8 tensor cores (else the
+    dequantized product), against the same program on CPU."""
+    import numpy as np
+    import torch
+    from conftest import DEMO_MODEL
+    from test_torch_fp8 import _batch
+
+    ckpt = make_random_checkpoint(tmp_path / "ckpt", "LlamaForCausalLM", seed=6)
+    extra = f"calibration:\n  data: {DEMO_MODEL / 'calib.txt'}\n  num_samples: 4\n  seq_len: 128\n"
+    passes = ("  - name: capture\n  - name: quantize_fp8\n  - name: lower_quant_torch\n"
+              "  - name: plan_cuda_graphs\n  - name: package\n")
+    path = build(write_recipe(tmp_path, ckpt, passes=passes, backend="torch", device="cuda", extra=extra),
+                 progress=False)
+    fb = _batch()
+    gpu = LLMEngine(path).backend.forward(fb)
+    cpu = LLMEngine(path, device="cpu").backend.forward(fb)
+    tol = 5e-2 if torch.cuda.get_device_capability() >= (8, 9) else 1e-3  # _scaled_mm returns bfloat16
+    np.testing.assert_allclose(gpu, cpu, rtol=tol, atol=tol)
+    assert (gpu.argmax(-1) == cpu.argmax(-1)).mean() > 0.9
