@@ -408,6 +408,9 @@ def pass_changes(entry: dict[str, Any]) -> str:
                      + (f", float: {', '.join(kept)}" if kept else ""))
     if st.get("matmulnbits_fused"):
         parts.append(f"MatMulNBits x{st['matmulnbits_fused']}")
+    if st.get("fp8_linears"):
+        parts.append(f"FP8 Linears x{st['fp8_linears']} ({st.get('weight_bytes', 0):,} of "
+                     f"{st.get('float_weight_bytes', 0):,} weight bytes)")
     if st.get("activation_qdq_pairs"):
         parts.append(f"activation Q/DQ x{st['activation_qdq_pairs']}")
     if isinstance(st.get("kv_cache"), dict):

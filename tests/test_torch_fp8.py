@@ -56,6 +56,10 @@ def test_torch_fp8_program_matches_the_onnx_fp8_artifact(tmp_path: Path, activat
     fp8 = [k for k, v in program.state_dict.items() if v.dtype == torch.float8_e4m3fn]
     assert len(fp8) == 14 and all(k.endswith(".weight") for k in fp8)
     assert manifest["quality"]["evaluated"] and manifest["quality"]["passed"]
+    from runtime.artifact import pass_changes
+
+    line = pass_changes(next(p for p in manifest["passes"] if p["name"] == "lower_quant_torch"))
+    assert line.startswith("nodes ") and "FP8 Linears x14 (" in line, line
     fb = _batch()
     ours = LLMEngine(torch_art).backend.forward(fb)
     theirs = LLMEngine(onnx_art).backend.forward(fb)
