@@ -144,6 +144,31 @@ def missing_for(backend: str, env: GpuEnvironment | None = None) -> str | None:
             f"Install with {INSTALL_HINT}")
 
 
+@functools.lru_cache(maxsize=1)
+def _driver() -> Any:
+    lib = ctypes.CDLL(ctypes.util.find_library("cuda") or "libcuda.so.1")
+    if lib.cuInit(0) != 0:
+        raise RuntimeError("cuInit failed")
+    return lib
+
+
+def device_copy(dst: int, src: int, nbytes: int, device: int = 0) -> None:
+    """Copy nbytes between two device addresses (cuMemcpyDtoD on the device's primary context, which is
+    the one the CUDA runtime of ONNX Runtime and torch use); synchronous."""
+    lib = _driver()
+    ctx = ctypes.c_void_p()
+    if lib.cuCtxGetCurrent(ctypes.byref(ctx)) != 0 or not ctx.value:
+        dev = ctypes.c_int()
+        if lib.cuDeviceGet(ctypes.byref(dev), device) != 0 or lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) != 0:
+            raise RuntimeError(f"no CUDA context for device {device}")
+        lib.cuCtxSetCurrent(ctx)
+    copy = getattr(lib, "cuMemcpyDtoD_v2", None) or lib.cuMemcpyDtoD
+    copy.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t]
+    status = copy(ctypes.c_uint64(dst), ctypes.c_uint64(src), ctypes.c_size_t(nbytes))
+    if status != 0:
+        raise RuntimeError(f"cuMemcpyDtoD failed with CUresult {status}")
+
+
 def describe() -> dict[str, Any]:
     """The probe as a JSON-able dict (build.json, `optimize env`)."""
     env = probe()

@@ -41,7 +41,7 @@ def _batch() -> ForwardBatch:
 @pytest.mark.parametrize("activations", ["static", "dynamic"])
 def test_torch_fp8_program_matches_the_onnx_fp8_artifact(tmp_path: Path, activations: str) -> None:
     ckpt = make_random_checkpoint(tmp_path / "ckpt", "Qwen2ForCausalLM", seed=4)  # QKV bias: Fp8Linear bias
-    extra = CALIBRATION + QUALITY
+    extra = CALIBRATION + (QUALITY if activations == "static" else "")  # the gate once: it is the slow part
     onnx_art = build(write_recipe(tmp_path, ckpt, name="onnx-fp8", extra=extra, passes=(
         "  - name: capture\n" + _fp8(activations) + "  - name: lower_onnx\n  - name: lower_quant\n"
         "  - name: package\n")), progress=False)
@@ -55,7 +55,7 @@ def test_torch_fp8_program_matches_the_onnx_fp8_artifact(tmp_path: Path, activat
     program = torch.export.load(str(torch_art / "model.pt2"))
     fp8 = [k for k, v in program.state_dict.items() if v.dtype == torch.float8_e4m3fn]
     assert len(fp8) == 14 and all(k.endswith(".weight") for k in fp8)
-    assert manifest["quality"]["evaluated"] and manifest["quality"]["passed"]
+    assert manifest["quality"]["evaluated"] == (activations == "static")
     from runtime.artifact import pass_changes
 
     line = pass_changes(next(p for p in manifest["passes"] if p["name"] == "lower_quant_torch"))
@@ -65,8 +65,10 @@ def test_torch_fp8_program_matches_the_onnx_fp8_artifact(tmp_path: Path, activat
     theirs = LLMEngine(onnx_art).backend.forward(fb)
     np.testing.assert_allclose(ours, theirs, rtol=1e-3, atol=1e-3)
     assert (ours.argmax(-1) == theirs.argmax(-1)).mean() > 0.97
-    ref = json.loads((onnx_art / "manifest.json").read_text())["quality"]["metrics"]["perplexity"]
-    assert abs(manifest["quality"]["metrics"]["perplexity"] / ref - 1) < 1e-3
+    if activations == "static":
+        assert manifest["quality"]["passed"]
+        ref = json.loads((onnx_art / "manifest.json").read_text())["quality"]["metrics"]["perplexity"]
+        assert abs(manifest["quality"]["metrics"]["perplexity"] / ref - 1) < 1e-3
 
 
 def test_torch_targets_lower_fp8_only(tmp_path: Path) -> None:

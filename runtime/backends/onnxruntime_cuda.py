@@ -108,18 +108,17 @@ class OnnxRuntimeCudaBackend:
             binding.bind_ortvalue_input(f"value_cache.{i}", self._v[i])
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy KV blocks src -> dst in every layer's pools (copy-on-write), through the host: rare
-        (prefix-cache forks) and small (one block per layer)."""
+        """Copy KV blocks src -> dst in every layer's pools (copy-on-write), device to device, pair after pair."""
+        from runtime.gpu import device_copy
+
         for src, dst in pairs:
             if not (0 <= src < self.num_blocks and 0 <= dst < self.num_blocks):
                 raise ValueError(f"copy_blocks: block pair ({src}, {dst}) outside the pool of {self.num_blocks}")
-        if not pairs:
-            return
-        for pool in self._k + self._v:
-            host = pool.numpy()
-            for src, dst in pairs:
-                host[dst] = host[src]
-            pool.update_inplace(host)
+        block_bytes = self.block_size * self.kv_heads * self.head_dim * 2  # float16
+        for src, dst in pairs:
+            for pool in self._k + self._v:
+                base = pool.data_ptr()
+                device_copy(base + dst * block_bytes, base + src * block_bytes, block_bytes, self.device_id)
 
     def forward(self, batch: ForwardBatch) -> np.ndarray:
         """Run one step: returns logits [len(logits_index), vocab] float32; PagedAttention writes the K/V."""
