@@ -9,7 +9,8 @@ the logits come back to the host.
 
 CUDA graphs (the manifest's `cuda_graphs` plan): one session with ONNX Runtime's CUDA-graph option,
 one graph per decode bucket (`gpu_graph_id` run option), each with its own fixed input/output
-buffers updated in place before a replay. A decode step of n sequences runs in the smallest bucket
+buffers updated in place before a replay; the other steps run in the same session with
+gpu_graph_id -1 (no graph), so the weights are loaded once. A decode step of n sequences runs in the smallest bucket
 b >= n: padding rows have no past, token 0 at position 0 and a block-table row that starts with the
 extra pool block the scheduler never hands out (their K/V land there), logits dropped. When ONNX
 Runtime refuses graphs for this model (it needs every node on the CUDA provider), the backend logs
@@ -65,12 +66,6 @@ class OnnxRuntimeCudaBackend:
             t.update_inplace(zeros)
         self.pad_block = self.num_blocks
         self._model_path = model_path
-        self.session = self._session(graphs=False)
-        names = [i.name for i in self.session.get_inputs()]
-        if names != config["graph"]["inputs"]:
-            raise RuntimeError(f"{model_path.name}: graph inputs {names} differ from runtime.json")
-        self.output_names = [o.name for o in self.session.get_outputs()]
-
         plan = manifest.get("cuda_graphs") or {}
         mode = graphs or ("off" if os.environ.get("OPTIMIZE_CUDA_GRAPHS", "1") == "0" else "auto")
         self.buckets: list[int] = list(plan.get("decode_buckets") or []) if plan.get("capturable") else []
@@ -78,14 +73,25 @@ class OnnxRuntimeCudaBackend:
         self.graph_mode = "off"
         self.graph_replays = 0
         self._buckets: dict[int, dict[str, Any]] = {}
+        self._eager_options: Any = None
+        # One session: with CUDA graphs on, eager steps (prefill, mixed, large batches) run with
+        # gpu_graph_id -1, which ONNX Runtime runs without capturing or replaying a graph.
+        self.session = self._session(graphs=mode != "off" and bool(self.buckets))
+        names = [i.name for i in self.session.get_inputs()]
+        if names != config["graph"]["inputs"]:
+            raise RuntimeError(f"{model_path.name}: graph inputs {names} differ from runtime.json")
+        self.output_names = [o.name for o in self.session.get_outputs()]
         if mode != "off" and self.buckets:
             try:
-                self._graph_session = self._session(graphs=True)
+                self._eager_options = ort.RunOptions()
+                self._eager_options.add_run_config_entry("gpu_graph_id", "-1")
                 self._prepare_buckets()
                 self.graph_mode = "cuda"
             except Exception as e:  # ONNX Runtime refuses graphs when a node is not on the CUDA provider
                 log.warning("ONNX Runtime CUDA graphs unavailable for this model, running eagerly: %s", e)
                 self._buckets.clear()
+                self._eager_options = None
+                self.session = self._session(graphs=False)
         log.info("ONNX Runtime CUDA session, KV pool %s x %d layers, graphs %s (buckets %s)", shape,
                  self.num_layers, self.graph_mode, self.buckets)
 
@@ -139,7 +145,7 @@ class OnnxRuntimeCudaBackend:
         binding.bind_output("logits")  # on the host
         for name in self.output_names[1:]:
             binding.bind_output(name, "cuda", self.device_id)
-        self.session.run_with_iobinding(binding)
+        self.session.run_with_iobinding(binding, self._eager_options)
         return binding.get_outputs()[0].numpy().astype(np.float32, copy=False)
 
     def _bucket_for(self, batch: ForwardBatch) -> int | None:
@@ -161,7 +167,7 @@ class OnnxRuntimeCudaBackend:
             }
             host["block_table"][:, 0] = self.pad_block
             dev = {k: ort.OrtValue.ortvalue_from_numpy(v, "cuda", self.device_id) for k, v in host.items()}
-            binding = self._graph_session.io_binding()
+            binding = self.session.io_binding()
             for k in _INDEX_INPUTS:
                 binding.bind_ortvalue_input(k, dev[k])
             self._bind_pools(binding)
@@ -174,7 +180,7 @@ class OnnxRuntimeCudaBackend:
                 binding.bind_ortvalue_output(name, v)
             run_options = ort.RunOptions()
             run_options.add_run_config_entry("gpu_graph_id", str(gid + 1))
-            self._graph_session.run_with_iobinding(binding, run_options)  # the first run captures
+            self.session.run_with_iobinding(binding, run_options)  # captured on this or a later run
             self._buckets[b] = {"host": host, "dev": dev, "binding": binding, "logits": outs["logits"],
                                 "run_options": run_options}
 
@@ -195,6 +201,6 @@ class OnnxRuntimeCudaBackend:
         h["block_table"][n:, 0] = self.pad_block
         for k in ("input_ids", "positions", "past_lens", "block_table"):
             st["dev"][k].update_inplace(h[k])
-        self._graph_session.run_with_iobinding(st["binding"], st["run_options"])
+        self.session.run_with_iobinding(st["binding"], st["run_options"])
         self.graph_replays += 1
         return st["logits"].numpy()[:n]
