@@ -280,3 +280,28 @@ def test_impossible_bound_fails_the_build_with_the_table_and_no_artifact(small: 
         line = next(ln for ln in err.splitlines() if ln.strip().startswith(name))
         assert line.rstrip().endswith("ok"), line
     assert not out.exists() or not any(out.rglob("*")), sorted(out.rglob("*"))
+
+
+def test_symmetric_int4_builds_in_both_forms_with_the_same_logits(small: tuple[Path, Path]) -> None:
+    """quantize_rtn symmetric: true -> signed int4 DequantizeLinear without zero point (int4_format: qdq,
+    the TensorRT form) and MatMulNBits with zero point 8; one set of weights, the same logits."""
+    from test_torch_fp8 import _batch
+
+    from runtime.engine import LLMEngine
+
+    folder, ckpt = small
+    built = {}
+    for fmt in ("qdq", "matmulnbits"):
+        recipe = _small_recipe(folder, ckpt, f"sym-{fmt}",
+                               "  - name: capture\n  - name: quantize_rtn\n    options:\n      group_size: 32\n"
+                               "      symmetric: true\n  - name: lower_onnx\n  - name: lower_quant\n    options:\n"
+                               f"      int4_format: {fmt}\n  - name: package\n")
+        built[fmt] = build(recipe, progress=False)
+    assert _pass_stats(built["qdq"], "quantize_rtn")["symmetric"] is True
+    model = _graph(built["qdq"])
+    types = {t.name: t.data_type for t in model.graph.initializer}
+    dqs = [n for n in model.graph.node if n.op_type == "DequantizeLinear"]
+    assert len(dqs) == 14 and all(len(n.input) == 2 and types[n.input[0]] == onnx.TensorProto.INT4 for n in dqs)
+    fb = _batch()
+    np.testing.assert_allclose(LLMEngine(built["qdq"]).backend.forward(fb),
+                               LLMEngine(built["matmulnbits"]).backend.forward(fb), rtol=1e-4, atol=1e-4)

@@ -73,6 +73,42 @@ def test_weight_to_qdq_then_matmulnbits_keeps_the_outputs() -> None:
     np.testing.assert_allclose(nbits, before, rtol=1e-4, atol=1e-4)
 
 
+def test_symmetric_int4_lowers_to_signed_int4_without_zero_point() -> None:
+    """Symmetric INT4 (zero point 8): the QDQ form is signed int4 with no zero point (TensorRT's form),
+    MatMulNBits keeps uint4 + zero point 8; both give the dequantized weight's outputs."""
+    w = torch.randn(N, K, generator=torch.Generator().manual_seed(1)) * 0.1
+    q = QuantizedWeight("w", "rtn", int4.quantize_rtn(w, 64, symmetric=True))
+    assert q.data.symmetric and (q.data.zeros == 8).all()
+    codes = q.data.codes.astype(np.int16) - 8
+    assert codes.min() >= -8 and codes.max() <= 7
+    deq = q.data.dequantize().numpy()
+    # symmetric: the largest |w| of each group is representable to within half a step
+    x = np.random.default_rng(0).standard_normal((7, K)).astype(np.float32)
+    model = _gemm_model(deq.copy())
+    (before,) = _run(model, {"x": x})
+    g = R.Graph(model)
+    dq = R.WeightToQdq(signed_int4=True).rewrite(g, q)
+    g.commit()
+    types = {t.name: t.data_type for t in model.graph.initializer}
+    assert len(dq.input) == 2 and types[dq.input[0]] == TensorProto.INT4
+    (signed,) = _run(model, {"x": x})
+    np.testing.assert_allclose(signed, before, rtol=1e-5, atol=1e-5)
+    model = _gemm_model(deq.copy())
+    g = R.Graph(model)
+    dq = R.WeightToQdq().rewrite(g, q)  # the MatMulNBits path: uint4 + zero point 8
+    assert types_of(model, g, dq) == (TensorProto.UINT4, TensorProto.UINT4)
+    assert R.DqGemmToMatMulNBits().rewrite(g, dq, {dq.input[0]: q.data}, accuracy_level=0) == 1
+    g.commit()
+    model.opset_import.append(helper.make_opsetid(R.MS_DOMAIN, 1))
+    (nbits,) = _run(model, {"x": x})
+    np.testing.assert_allclose(nbits, before, rtol=1e-4, atol=1e-4)
+
+
+def types_of(model: onnx.ModelProto, g: R.Graph, dq: onnx.NodeProto) -> tuple[int, int]:
+    """Element types of a DequantizeLinear's codes and zero point (initializers not yet committed)."""
+    return g.inits[dq.input[0]].data_type, g.inits[dq.input[2]].data_type
+
+
 def test_float16_graphs_get_float16_scales_and_the_same_outputs() -> None:
     """The float16 targets (onnxruntime/cuda): DequantizeLinear and MatMulNBits scales in float16, so the
     types line up with the float16 activations; outputs as the float16 dequantized weight gives them."""

@@ -160,13 +160,16 @@ def test_plan_accepts_a_tensorrt_recipe(tmp_path: Path, dtype: str) -> None:
 @pytest.mark.parametrize("passes,words", [
     (PASSES.replace("  - name: plan_cuda_graphs\n", "  - name: fuse\n"),
      ["passes[3] 'fuse' rewrites the graph into ONNX Runtime contrib ops", "remove it for the tensorrt target"]),
-    ("  - name: capture\n  - name: quantize_rtn\n  - name: lower_onnx\n  - name: lower_quant\n"
-     "  - name: build_engine\n  - name: package\n",
-     ["lower_quant's int4_format 'matmulnbits' emits com.microsoft.MatMulNBits", "(int4_format: qdq)",
-      "passes[1] 'quantize_rtn' stores asymmetric uint4 with zero points", "use quantize_fp8"]),
+    ("  - name: capture\n  - name: quantize_rtn\n    options:\n      symmetric: true\n  - name: lower_onnx\n"
+     "  - name: lower_quant\n  - name: build_engine\n  - name: package\n",
+     ["lower_quant's int4_format 'matmulnbits' emits com.microsoft.MatMulNBits", "int4_format: qdq"]),
     ("  - name: capture\n  - name: quantize_rtn\n  - name: lower_onnx\n  - name: lower_quant\n"
      "    options:\n      int4_format: qdq\n  - name: build_engine\n  - name: package\n",
-     ["passes[1] 'quantize_rtn': TensorRT dequantizes INT4 only symmetric (signed int4, zero point 0)"]),
+     ["TensorRT dequantizes INT4 only symmetric (signed int4, zero point 0)",
+      "passes[1] 'quantize_rtn' stores asymmetric uint4 with zero points", "set passes[1].options.symmetric: true"]),
+    ("  - name: capture\n  - name: quantize_awq\n  - name: lower_onnx\n  - name: lower_quant\n"
+     "    options:\n      int4_format: qdq\n  - name: build_engine\n  - name: package\n",
+     ["AWQ has no symmetric mode here: use quantize_rtn or quantize_gptq with symmetric: true"]),
     ("  - name: capture\n  - name: quantize_kv_cache\n  - name: lower_onnx\n  - name: lower_quant\n"
      "  - name: build_engine\n  - name: package\n",
      ["passes[1] 'quantize_kv_cache' stores the KV pools as int8 / E4M3 bytes"]),
@@ -189,6 +192,17 @@ def test_tensorrt_recipes_that_cannot_build_are_refused_at_the_build_engine_line
     assert e.value.line == _line_of(recipe, "- name: build_engine")
     assert str(e.value).startswith(f"{recipe}:{e.value.line}: passes[{index}].name: ")
     assert all(w in str(e.value) for w in words), str(e.value)
+
+
+@pytest.mark.parametrize("method", ["quantize_rtn", "quantize_gptq"])
+def test_symmetric_int4_in_the_qdq_form_is_accepted(tmp_path: Path, method: str) -> None:
+    passes = (f"  - name: capture\n  - name: {method}\n    options:\n      symmetric: true\n  - name: lower_onnx\n"
+              "  - name: lower_quant\n    options:\n      int4_format: qdq\n  - name: build_engine\n"
+              "  - name: package\n")
+    recipe = _trt_recipe(tmp_path, passes=passes)
+    recipe.write_text(recipe.read_text().replace("output:", f"calibration:\n  data: {DEMO_MODEL / 'calib.txt'}\n"
+                                                            "output:"))
+    assert [p.name for p in plan(recipe).passes][1] == method
 
 
 def test_a_tensorrt_recipe_without_build_engine_is_refused_at_package(tmp_path: Path) -> None:

@@ -96,15 +96,19 @@ class BuildEnginePass(Pass):
         int4 = [(i, n) for i, n in enumerate(names) if n in INT4_PASSES]
         if int4:
             i, n = int4[0]
-            lq = next((spec for spec in recipe.passes if spec.name == "lower_quant"), None)
+            spec = recipe.passes[i]
+            lq = next((p for p in recipe.passes if p.name == "lower_quant"), None)
             fmt = lq.options.get("int4_format", "matmulnbits") if lq is not None else "matmulnbits"
-            symmetric = (f"TensorRT dequantizes INT4 only symmetric (signed int4, zero point 0) and passes[{i}] "
-                         f"'{n}' stores asymmetric uint4 with zero points: use quantize_fp8 for the tensorrt target")
-            if fmt == "matmulnbits":
+            if n == "quantize_awq" or not spec.options.get("symmetric", False):
+                how = ("AWQ has no symmetric mode here: use quantize_rtn or quantize_gptq with symmetric: true"
+                       if n == "quantize_awq" else f"set passes[{i}].options.symmetric: true")
+                return ("name", f"TensorRT dequantizes INT4 only symmetric (signed int4, zero point 0) and "
+                                f"passes[{i}] '{n}' stores asymmetric uint4 with zero points: {how}, or use "
+                                "quantize_fp8")
+            if fmt != "qdq":
                 return ("name", "lower_quant's int4_format 'matmulnbits' emits com.microsoft.MatMulNBits, an ONNX "
-                                "Runtime contrib op TensorRT's ONNX parser cannot read; TensorRT takes the QDQ form "
-                                f"(int4_format: qdq), but {symmetric}")
-            return ("name", f"passes[{i}] '{n}': {symmetric}")
+                                "Runtime contrib op TensorRT's ONNX parser cannot read: set lower_quant's "
+                                "int4_format: qdq (signed int4 DequantizeLinear) for the tensorrt target")
         if self.config.timing_cache is not None:
             path = timing_cache_path(recipe, self.config.timing_cache)
             if not path.is_file():

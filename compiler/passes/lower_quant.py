@@ -91,7 +91,9 @@ class LowerQuantPass(Pass):
 
         # 2. weights -> DequantizeLinear
         fp32_bytes = sum(int(np.prod(q.data.shape)) * 4 for q in st.weights.values())
-        to_qdq, act = R.WeightToQdq(float_type), R.ActivationQdq(float_type)
+        # symmetric INT4 in the QDQ form: signed int4, no zero point (what TensorRT dequantizes)
+        to_qdq = R.WeightToQdq(float_type, signed_int4=self.config.int4_format == "qdq")
+        act = R.ActivationQdq(float_type)
         misses: dict[str, str] = {}
         dq_nodes: dict[str, Any] = {}
         for name, q in sorted(st.weights.items()):

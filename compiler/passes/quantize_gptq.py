@@ -35,6 +35,7 @@ class GptqOptions:
     block_size: int = 128  # columns per lazy batch update
     true_sequential: bool = True  # Hessians of later Linears see the earlier ones quantized
     ignore: list[str] = field(default_factory=lambda: ["lm_head"])
+    symmetric: bool = False  # zero point 8, signed int4 values (what TensorRT dequantizes)
 
     def __post_init__(self) -> None:
         check_group_size(self.group_size)
@@ -94,7 +95,7 @@ class QuantizeGptqPass(Int4WeightSizes, Pass):
                 for n in step:
                     try:
                         q, loss = gptq.gptq_quantize(mine[n].weight, hess[n].value(), c.group_size, c.damp,
-                                                     c.act_order, c.block_size)
+                                                     c.act_order, c.block_size, c.symmetric)
                     except ValueError as e:
                         raise BuildError(f"quantize_gptq: {n}: {e}") from e
                     write_weight(mine[n], q.dequantize())
@@ -106,11 +107,11 @@ class QuantizeGptqPass(Int4WeightSizes, Pass):
         progress_done(bar, task)
         for name, lin in targets.items():  # Linears outside the decoder layers (an un-ignored lm_head)
             if f"{name}.weight" not in st.weights:
-                q = int4.quantize_rtn(lin.weight, c.group_size)
+                q = int4.quantize_rtn(lin.weight, c.group_size, symmetric=c.symmetric)
                 write_weight(lin, q.dequantize())
                 st.weights[f"{name}.weight"] = QuantizedWeight(f"{name}.weight", "rtn", q)
         st.weight_method = self.name
-        return {"method": "gptq", "bits": 4, "group_size": c.group_size, "symmetric": False,
+        return {"method": "gptq", "bits": 4, "group_size": c.group_size, "symmetric": c.symmetric,
                 "damp": c.damp, "act_order": c.act_order, "calibration": cal.record,
                 "reconstruction_loss": {k: float(f"{v:.6g}") for k, v in sorted(losses.items())},
                 **stats_for(st, model, skipped_modules(model, st.weights, c.ignore))}

@@ -20,6 +20,7 @@ log = logging.getLogger(__name__)
 class RtnOptions:
     group_size: int = 128
     ignore: list[str] = field(default_factory=lambda: ["lm_head"])  # module name patterns kept in float
+    symmetric: bool = False  # zero point 8, signed int4 values (what TensorRT dequantizes)
 
     def __post_init__(self) -> None:
         check_group_size(self.group_size)
@@ -31,7 +32,7 @@ class QuantizeRtnPass(Int4WeightSizes, Pass):
     name: ClassVar[str] = "quantize_rtn"
     Config = RtnOptions
     requires = ("capture",)
-    summary = "INT4 weight-only round-to-nearest, asymmetric, per group (baseline)"
+    summary = "INT4 weight-only round-to-nearest, per group, asymmetric (or symmetric) (baseline)"
     quant_kind: ClassVar[str] = "weights"
 
     def run(self, ctx: BuildContext) -> dict[str, Any]:
@@ -50,10 +51,10 @@ class QuantizeRtnPass(Int4WeightSizes, Pass):
         st = quant_state(ctx)
         targets = target_linears(model, self.config.ignore)
         for name, lin in targets.items():
-            q = int4.quantize_rtn(lin.weight, self.config.group_size)
+            q = int4.quantize_rtn(lin.weight, self.config.group_size, symmetric=self.config.symmetric)
             write_weight(lin, q.dequantize())
             st.weights[f"{name}.weight"] = QuantizedWeight(f"{name}.weight", "rtn", q)
         st.weight_method = self.name
         log.info("quantize_rtn: %d Linear weights to INT4 (group %d)", len(targets), self.config.group_size)
-        return {"method": "rtn", "bits": 4, "group_size": self.config.group_size, "symmetric": False,
+        return {"method": "rtn", "bits": 4, "group_size": self.config.group_size, "symmetric": self.config.symmetric,
                 **stats_for(st, model, skipped_modules(model, st.weights, self.config.ignore))}

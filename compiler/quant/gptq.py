@@ -39,7 +39,8 @@ class Hessian:
 
 
 def gptq_quantize(w: torch.Tensor, h: torch.Tensor, group_size: int, damp: float = 0.01,
-                  act_order: bool = False, block_size: int = 128) -> tuple[int4.Int4Weight, float]:
+                  act_order: bool = False, block_size: int = 128, symmetric: bool = False
+                  ) -> tuple[int4.Int4Weight, float]:
     """INT4 codes of W [out, in] given the Hessian H [in, in]; returns (weight, reconstruction loss)."""
     w = w.detach().to(torch.float64).clone()
     h = h.to(torch.float64).clone()
@@ -80,7 +81,7 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, group_size: int, damp: float
                 later = pos[~inside]
                 if later.numel():
                     cur[:, ~inside] = w[:, later] - err1[:, :i] @ hinv[i1:j, later]
-                scale[:, g], zero[:, g] = int4.params_from_range(cur.amin(1), cur.amax(1))
+                scale[:, g], zero[:, g] = int4.params_from_range(cur.amin(1), cur.amax(1), symmetric)
                 ready[g] = True
             s, z = scale[:, g].to(torch.float64), zero[:, g].to(torch.float64)
             col = w1[:, i]
@@ -94,4 +95,4 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, group_size: int, damp: float
             err1[:, i] = e
         w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
     inv = torch.argsort(perm)
-    return int4.from_codes(codes[:, inv], scale, zero, group_size), loss
+    return int4.from_codes(codes[:, inv], scale, zero, group_size, symmetric), loss

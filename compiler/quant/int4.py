@@ -9,6 +9,10 @@ group) has a float32 scale and an integer zero point in [0, 15]:
 which is exactly ONNX DequantizeLinear on uint4 (blocked, axis=1) and ORT MatMulNBits. Codes are
 kept unpacked (uint8, one code per byte) until lowering packs them. Scales come from the group's
 min and max (optionally clipped to `max_val`), widened to contain 0.
+
+Symmetric (`symmetric=True`, as GPTQ's `sym`): the zero point is 8 in every group and
+scale = 2 * max|w| / 15, so code - 8 is a signed int4 in [-8, 7]: the form TensorRT dequantizes
+(signed int4, zero point 0), and still plain uint4 + zero point for MatMulNBits.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import numpy as np
 import torch
 
 MAXQ = 15  # 4 bits, unsigned codes
+SYMMETRIC_ZERO = 8  # the zero point of symmetric INT4: code - 8 is the signed value
 
 
 def num_groups(in_features: int, group_size: int) -> int:
@@ -48,11 +53,17 @@ def group_minmax(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.
     return wmin, wmax
 
 
-def params_from_range(wmin: torch.Tensor, wmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def params_from_range(wmin: torch.Tensor, wmax: torch.Tensor, symmetric: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """(scale float32, zero float32 holding integers 0..15) from a per-group range.
 
     The range is widened to contain 0 (as GPTQ's quantizer does): with an integer zero point in
-    [0, 15], a group entirely above or below 0 could not be represented otherwise."""
+    [0, 15], a group entirely above or below 0 could not be represented otherwise. Symmetric: the
+    range is [-max|w|, max|w|] and the zero point 8."""
+    if symmetric:
+        amax = torch.maximum(wmin.abs(), wmax.abs()).to(torch.float32)
+        scale = (2 * amax).clamp(min=1e-5) / MAXQ
+        return scale, torch.full_like(scale, float(SYMMETRIC_ZERO))
     wmin = torch.clamp(wmin, max=0)
     wmax = torch.clamp(wmax, min=0)
     scale = ((wmax - wmin).clamp(min=1e-5) / MAXQ).to(torch.float32)
@@ -60,14 +71,14 @@ def params_from_range(wmin: torch.Tensor, wmax: torch.Tensor) -> tuple[torch.Ten
     return scale, zero
 
 
-def group_params(w: torch.Tensor, group_size: int, max_val: torch.Tensor | None = None
+def group_params(w: torch.Tensor, group_size: int, max_val: torch.Tensor | None = None, symmetric: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale and zero point [out, G] of each group; `max_val` [out, G] clips the range to +-max_val."""
     wmin, wmax = group_minmax(w, group_size)
     if max_val is not None:
         wmin = torch.maximum(wmin, -max_val)
         wmax = torch.minimum(wmax, max_val)
-    return params_from_range(wmin, wmax)
+    return params_from_range(wmin, wmax, symmetric)
 
 
 def expand(t: torch.Tensor, in_features: int, group_size: int) -> torch.Tensor:
@@ -100,6 +111,7 @@ class Int4Weight:
     scales: np.ndarray  # float32 [out, G]
     zeros: np.ndarray  # uint8 [out, G], values 0..15
     group_size: int
+    symmetric: bool = False  # every zero point is 8 (codes - 8: signed int4)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -112,20 +124,23 @@ class Int4Weight:
         return dequantize_codes(torch.from_numpy(self.codes).to(torch.float32), s, z)
 
 
-def quantize_rtn(w: torch.Tensor, group_size: int, max_val: torch.Tensor | None = None) -> Int4Weight:
+def quantize_rtn(w: torch.Tensor, group_size: int, max_val: torch.Tensor | None = None, symmetric: bool = False
+                 ) -> Int4Weight:
     """Round-to-nearest INT4 of W [out, in] (optionally with per-group clipping)."""
     w = w.detach().to(torch.float32)
-    scale, zero = group_params(w, group_size, max_val)
+    scale, zero = group_params(w, group_size, max_val, symmetric)
     codes = quantize_codes(w, expand(scale, w.shape[1], group_size), expand(zero, w.shape[1], group_size))
-    return from_codes(codes, scale, zero, group_size)
+    return from_codes(codes, scale, zero, group_size, symmetric)
 
 
-def from_codes(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int) -> Int4Weight:
+def from_codes(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
+               symmetric: bool = False) -> Int4Weight:
     return Int4Weight(
         codes=codes.to(torch.uint8).numpy(),
         scales=scale.to(torch.float32).contiguous().numpy(),
         zeros=zero.to(torch.uint8).contiguous().numpy(),
         group_size=group_size,
+        symmetric=symmetric,
     )
 
 

@@ -28,7 +28,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from compiler.quant.fp8 import E4M3_MAX, Fp8Weight
-from compiler.quant.int4 import Int4Weight, pack_matmulnbits
+from compiler.quant.int4 import SYMMETRIC_ZERO, Int4Weight, pack_matmulnbits
 from compiler.quant.state import KvCacheQuant, QuantizedWeight
 
 MS_DOMAIN = "com.microsoft"
@@ -155,8 +155,9 @@ class WeightToQdq:
     `float_type` is the graph's float element type (float32, or float16 for the float16 targets): the
     scales are stored in it, so DequantizeLinear yields what the initializer held."""
 
-    def __init__(self, float_type: type = np.float32) -> None:
+    def __init__(self, float_type: type = np.float32, signed_int4: bool = False) -> None:
         self.float_type = np.dtype(float_type)
+        self.signed_int4 = signed_int4  # symmetric INT4 as signed int4 without zero point (the QDQ form)
 
     def check(self, g: Graph, q: QuantizedWeight) -> str | None:
         init = g.inits.get(q.name)
@@ -176,7 +177,15 @@ class WeightToQdq:
         base = q.name
         out = g.unique(f"{base}_dequantized")
         d = q.data
-        if isinstance(d, Int4Weight):
+        if isinstance(d, Int4Weight) and d.symmetric and self.signed_int4:
+            signed = (d.codes.astype(np.int8) - SYMMETRIC_ZERO).astype(ml_dtypes.int4)
+            inputs = [
+                g.add_init(_tensor(signed, g.unique(f"{base}_quantized"))),
+                g.add_init(_tensor(d.scales.astype(self.float_type), g.unique(f"{base}_scale"))),
+            ]
+            node = helper.make_node("DequantizeLinear", inputs, [out], name=g.unique(f"{base}_DequantizeLinear"),
+                                    axis=1, block_size=d.group_size)
+        elif isinstance(d, Int4Weight):
             inputs = [
                 g.add_init(_tensor(d.codes.astype(ml_dtypes.uint4), g.unique(f"{base}_quantized"))),
                 g.add_init(_tensor(d.scales.astype(self.float_type), g.unique(f"{base}_scale"))),
