@@ -93,15 +93,10 @@ def greedy(artifact: Path, **kw: Any) -> list[list[int]]:
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> tuple[int, float]:
-    same = sum(x == y for x, y in zip(a, b, strict=True))
-    agree = total = 0
-    for x, y in zip(a, b, strict=True):
-        for i, j in zip(x, y, strict=False):
-            total += 1
-            if i != j:
-                break
-            agree += 1
-    return same, agree / max(1, total)
+    """(identical sequences, prefix agreement)."""
+    from runtime.evaluate import prefix_agreement
+
+    return sum(x == y for x, y in zip(a, b, strict=True)), prefix_agreement(a, b)
 
 
 def decode_batch(backend: Any, b: int, context: int) -> Any:

@@ -100,3 +100,16 @@ def text_perplexity(
     text = Path(path).read_text(encoding="utf-8")
     ids = llm_engine.tokenizer.encode(text, add_special_tokens=False)  # type: ignore[attr-defined]
     return perplexity(llm_engine.backend, ids, chunk_len, max_tokens, progress=progress)  # type: ignore[attr-defined]
+
+
+def prefix_agreement(want: list[list[int]], got: list[list[int]]) -> float:
+    """Greedy-token agreement of two runs over the same prompts: the fraction of tokens equal up to each
+    sequence's first difference (after it, the contexts differ and the tokens are not comparable)."""
+    agree = total = 0
+    for a, b in zip(want, got, strict=True):
+        for x, y in zip(a, b, strict=False):
+            total += 1
+            if x != y:
+                break
+            agree += 1
+    return agree / max(1, total)

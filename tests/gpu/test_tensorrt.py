@@ -16,6 +16,7 @@ from compiler.build import build
 from runtime.artifact import Artifact
 from runtime.backends.tensorrt import TensorRTBackend, engine_record, missing_packages, present_machine
 from runtime.engine import LLM
+from runtime.evaluate import prefix_agreement
 from runtime.forward_batch import ForwardBatch
 from runtime.sampling import SamplingParams
 
@@ -52,17 +53,6 @@ def fp32_artifact(tmp_path_factory: pytest.TempPathFactory, fp16_artifact: Path)
     return build(_recipe(folder, "float32", timing_cache=fp16_artifact / "timing.cache"), progress=False)
 
 
-def _agreement(want: list[list[int]], got: list[list[int]]) -> float:
-    agree = total = 0
-    for a, b in zip(want, got, strict=True):
-        for x, y in zip(a, b, strict=True):
-            total += 1
-            if x != y:
-                break
-            agree += 1
-    return agree / total
-
-
 def test_float32_engine_gives_the_cpu_demo_tokens(demo_artifact: Path, fp32_artifact: Path) -> None:
     manifest = json.loads((fp32_artifact / "manifest.json").read_text())
     record = engine_record(manifest)
@@ -84,7 +74,7 @@ def test_float16_engine_agrees_with_the_cpu_demo(demo_artifact: Path, fp16_artif
     assert manifest["quality"]["evaluated"] and manifest["quality"]["passed"]
     want = [o.token_ids for o in LLM(demo_artifact).generate(PROMPTS, PARAMS)]
     got = [o.token_ids for o in LLM(fp16_artifact).generate(PROMPTS, PARAMS)]
-    assert _agreement(want, got) >= 0.9, (want, got)  # float16 vs float32: a late divergence is allowed
+    assert prefix_agreement(want, got) >= 0.9, (want, got)  # float16 vs float32: a late divergence is allowed
 
 
 def test_engine_steps_match_onnx_runtime(demo_artifact: Path, fp32_artifact: Path) -> None:
