@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
+from runtime.forward_batch import ForwardBatch
+
 
 def read_geometry(backend: Any, config: dict[str, Any], num_blocks: int | None) -> str:
     """Set the pool and model facts every backend needs from runtime.json; returns the KV dtype name."""
@@ -16,3 +20,34 @@ def read_geometry(backend: Any, config: dict[str, Any], num_blocks: int | None) 
     backend.head_dim = int(model["head_dim"])
     backend.vocab_size = int(model["vocab_size"])
     return str(kv.get("dtype", "float32"))
+
+
+def decode_bucket(batch: ForwardBatch, buckets: list[int], width: int) -> int | None:
+    """The CUDA-graph bucket of a decode step: the smallest bucket >= its sequences when every sequence
+    has one token and one logits row and the block table fits the plan's width; None: run eagerly."""
+    n = batch.num_seqs
+    if not buckets or n == 0 or batch.num_tokens != n or n > buckets[-1] or batch.block_table.shape[1] > width:
+        return None
+    if not np.array_equal(batch.logits_index, np.arange(n)):
+        return None
+    return next(b for b in buckets if b >= n)
+
+
+def stage_padded_decode(host: dict[str, np.ndarray], batch: ForwardBatch, pad_block: int, block_size: int) -> None:
+    """Write a decode step of n sequences into a bucket's static host arrays (b rows; cu_seqlens and
+    logits_index are fixed at 0..b). Rows n.. are padding: token 0 at position 0, no past, a block-table
+    row naming only the spare pool block `pad_block` (never scheduled) and, where there is a slot_mapping,
+    that block's first slot: padding K/V land there whether the graph or the backend writes them."""
+    n = batch.num_seqs
+    for name in ("input_ids", "positions", "past_lens"):
+        host[name][:n] = getattr(batch, name)
+        host[name][n:] = 0
+    table = host["block_table"]
+    cols = batch.block_table.shape[1]
+    table[:n, :cols] = batch.block_table
+    table[:n, cols:] = -1
+    table[n:] = -1
+    table[n:, 0] = pad_block
+    if "slot_mapping" in host:
+        host["slot_mapping"][:n] = batch.slot_mapping
+        host["slot_mapping"][n:] = pad_block * block_size

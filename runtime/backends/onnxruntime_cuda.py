@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from runtime.backends import read_geometry
+from runtime.backends import decode_bucket, read_geometry, stage_padded_decode
 from runtime.forward_batch import ForwardBatch
 
 log = logging.getLogger(__name__)
@@ -149,12 +149,7 @@ class OnnxRuntimeCudaBackend:
         return binding.get_outputs()[0].numpy().astype(np.float32, copy=False)
 
     def _bucket_for(self, batch: ForwardBatch) -> int | None:
-        n = batch.num_seqs
-        if self.graph_mode == "off" or n == 0 or batch.num_tokens != n or n > self.buckets[-1]:
-            return None
-        if batch.block_table.shape[1] > self.width or not np.array_equal(batch.logits_index, np.arange(n)):
-            return None
-        return next(b for b in self.buckets if b >= n)
+        return decode_bucket(batch, self.buckets, self.width) if self.graph_mode != "off" else None
 
     def _prepare_buckets(self) -> None:
         """Per bucket: fixed device buffers for every input and output, bound once; run once to capture."""
@@ -187,20 +182,9 @@ class OnnxRuntimeCudaBackend:
     def _replay(self, batch: ForwardBatch, b: int) -> np.ndarray:
         n = batch.num_seqs
         st = self._buckets[b]
-        h = st["host"]
-        h["input_ids"][:n] = batch.input_ids
-        h["input_ids"][n:] = 0
-        h["positions"][:n] = batch.positions
-        h["positions"][n:] = 0
-        h["past_lens"][:n] = batch.past_lens
-        h["past_lens"][n:] = 0
-        cols = batch.block_table.shape[1]
-        h["block_table"][:n, :cols] = batch.block_table
-        h["block_table"][:n, cols:] = -1
-        h["block_table"][n:] = -1
-        h["block_table"][n:, 0] = self.pad_block
+        stage_padded_decode(st["host"], batch, self.pad_block, self.block_size)
         for k in ("input_ids", "positions", "past_lens", "block_table"):
-            st["dev"][k].update_inplace(h[k])
+            st["dev"][k].update_inplace(st["host"][k])
         self.session.run_with_iobinding(st["binding"], st["run_options"])
         self.graph_replays += 1
         return st["logits"].numpy()[:n]

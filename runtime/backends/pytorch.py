@@ -11,9 +11,9 @@ arrays become tensors without copies and the pools have numpy views (`k_pools`, 
 
 Decode buckets (the manifest's `cuda_graphs` plan, compiler/passes/plan_cuda_graphs.py). A decode
 step of n sequences (one token each, logits for each) runs in the smallest bucket b >= n on static
-buffers: rows n..b-1 are padding (token 0 at position 0, no past, a block-table row of -1, logits
-dropped) whose K/V go to one extra pool block the scheduler never hands out, and the block table is
-padded with -1 to the plan's fixed width. On CUDA each bucket's step (program + K/V writes) is
+buffers: rows n..b-1 are padding (token 0 at position 0, no past, logits dropped) whose block-table row
+and slot name one extra pool block the scheduler never hands out, where their K/V go; the block table
+is padded with -1 to the plan's fixed width (runtime/backends stage_padded_decode). On CUDA each bucket's step (program + K/V writes) is
 captured once at load as a CUDA graph and replayed (`graphs="auto"`). `graphs="padded"` runs the
 same padded static-shape step without capture (what the CPU tests check against transformers);
 `graphs="off"` (or OPTIMIZE_CUDA_GRAPHS=0) runs every step eagerly. Prefill, mixed steps and
@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from runtime.backends import read_geometry
+from runtime.backends import decode_bucket, read_geometry, stage_padded_decode
 from runtime.forward_batch import ForwardBatch
 
 log = logging.getLogger(__name__)
@@ -166,14 +166,7 @@ class TorchBackend:
 
     def _bucket_for(self, batch: ForwardBatch) -> int | None:
         """The decode bucket that serves this step, or None (eager)."""
-        n = batch.num_seqs
-        if self.graph_mode == "off" or n == 0 or batch.num_tokens != n or n > self.buckets[-1]:
-            return None
-        if batch.block_table.shape[1] > self.width or len(batch.logits_index) != n:
-            return None
-        if not np.array_equal(batch.logits_index, np.arange(n)):
-            return None
-        return next(b for b in self.buckets if b >= n)
+        return decode_bucket(batch, self.buckets, self.width) if self.graph_mode != "off" else None
 
     def _prepare_buckets(self) -> None:
         """Static input buffers per bucket (device, plus pinned host mirrors on CUDA); on CUDA capture
@@ -191,7 +184,7 @@ class TorchBackend:
                 "slot_mapping": torch.full((b,), self.pad_slot, dtype=torch.int64, device=self.device),
             }
             host = {k: torch.empty_like(v, device="cpu").pin_memory() if cuda else v for k, v in dev.items()}
-            self._static[b] = {"dev": dev, "host": host}
+            self._static[b] = {"dev": dev, "host": host, "host_np": {k: v.numpy() for k, v in host.items()}}
         if not cuda:
             return
         pool = torch.cuda.graph_pool_handle()
@@ -218,18 +211,7 @@ class TorchBackend:
         self.bucket_steps += 1
         st = self._static[b]
         h = st["host"]
-        h["input_ids"][:n] = self._torch.from_numpy(batch.input_ids)
-        h["input_ids"][n:] = 0
-        h["positions"][:n] = self._torch.from_numpy(batch.positions)
-        h["positions"][n:] = 0
-        h["past_lens"][:n] = self._torch.from_numpy(batch.past_lens)
-        h["past_lens"][n:] = 0
-        cols = batch.block_table.shape[1]
-        h["block_table"][:n, :cols] = self._torch.from_numpy(batch.block_table)
-        h["block_table"][:n, cols:] = -1
-        h["block_table"][n:] = -1
-        h["slot_mapping"][:n] = self._torch.from_numpy(batch.slot_mapping)
-        h["slot_mapping"][n:] = self.pad_slot
+        stage_padded_decode(st["host_np"], batch, self.num_blocks, self.block_size)
         if self.graph_mode == "cuda":
             dev = st["dev"]
             for k in ("input_ids", "positions", "past_lens", "block_table", "slot_mapping"):
