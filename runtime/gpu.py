@@ -3,8 +3,9 @@
 `probe()` asks the NVIDIA driver (libcuda through ctypes: no Python package needed) for the
 devices, their names and compute capabilities, and reports which GPU packages import (torch with
 CUDA, onnxruntime's CUDA provider, tensorrt, pycuda, cuda-python). Nothing here imports a GPU
-package at module import; `missing_for(backend)` says what a target needs that this machine lacks,
-in one message that names the package to install (`pip install .[gpu]`) or the GPU needed.
+package at module import, and `missing_for(backend)` imports only that backend's packages (an ONNX
+Runtime artifact never imports torch): it says what the target needs that this machine lacks, in
+one message that names the package to install (`pip install .[gpu]`) or the GPU needed.
 """
 
 from __future__ import annotations
@@ -95,31 +96,50 @@ def _cuda_python_version() -> str | None:
     return None
 
 
+def _torch_cuda() -> str | None:
+    if _version("torch") is None:
+        return None
+    import torch
+
+    return torch.version.cuda or None
+
+
+def _onnxruntime_cuda() -> str | None:
+    version = _version("onnxruntime")
+    if version is None:
+        return None
+    import onnxruntime
+
+    return version if "CUDAExecutionProvider" in onnxruntime.get_available_providers() else None
+
+
+# package key -> how to read its version (None: absent); each imports only its own package
+_PACKAGES = {
+    "torch": lambda: _version("torch"),
+    "torch.cuda": _torch_cuda,
+    "onnxruntime": lambda: _version("onnxruntime"),
+    "onnxruntime.cuda": _onnxruntime_cuda,
+    "tensorrt": lambda: _version("tensorrt"),
+    "pycuda": lambda: _version("pycuda"),
+    "cuda-python": _cuda_python_version,
+}
+
+
+@functools.cache
+def _package(key: str) -> str | None:
+    return _PACKAGES[key]()
+
+
 @functools.lru_cache(maxsize=1)
-def probe() -> GpuEnvironment:
-    """The driver's devices and the GPU packages' versions (imports them: call only for GPU targets)."""
-    problem, devices = _driver_devices()
-    packages: dict[str, str | None] = {}
-    torch_version = _version("torch")
-    if torch_version is not None:
-        import torch
+def _driver_state() -> tuple[str | None, tuple[Device, ...]]:
+    return _driver_devices()
 
-        packages["torch"] = torch_version
-        packages["torch.cuda"] = torch.version.cuda if torch.version.cuda else None
-    else:
-        packages["torch"] = packages["torch.cuda"] = None
-    packages["onnxruntime"] = _version("onnxruntime")
-    if packages["onnxruntime"] is not None:
-        import onnxruntime
 
-        has_cuda_ep = "CUDAExecutionProvider" in onnxruntime.get_available_providers()
-        packages["onnxruntime.cuda"] = packages["onnxruntime"] if has_cuda_ep else None
-    else:
-        packages["onnxruntime.cuda"] = None
-    packages["tensorrt"] = _version("tensorrt")
-    packages["pycuda"] = _version("pycuda")
-    packages["cuda-python"] = _cuda_python_version()
-    return GpuEnvironment(problem, devices, packages)
+def probe(packages: tuple[str, ...] = tuple(_PACKAGES)) -> GpuEnvironment:
+    """The driver's devices and the versions of `packages` (importing each: only a GPU target's own
+    packages are imported when it is built or loaded)."""
+    problem, devices = _driver_state()
+    return GpuEnvironment(problem, devices, {key: _package(key) for key in packages})
 
 
 # What each GPU backend needs besides a GPU: (package key in probe().packages, what to install)
@@ -134,7 +154,7 @@ _NEEDS = {
 
 def missing_for(backend: str, env: GpuEnvironment | None = None) -> str | None:
     """None when `backend` can run on CUDA here; else one message naming everything that is missing."""
-    env = env or probe()
+    env = env or probe(tuple(key for key, _ in _NEEDS.get(backend, [])))
     problems = [f"{what}" for key, what in _NEEDS.get(backend, []) if env.packages.get(key) is None]
     if env.driver is not None:
         problems.append(f"an NVIDIA GPU: {env.driver}")

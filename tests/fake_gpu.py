@@ -581,7 +581,7 @@ def install(monkeypatch: Any) -> types.ModuleType:
     env = gpu.GpuEnvironment(None, (gpu.Device(0, GPU_NAME, COMPUTE_CAPABILITY, 80 << 30),),
                              {"torch": None, "torch.cuda": None, "onnxruntime": None, "onnxruntime.cuda": None,
                               "tensorrt": TRT_VERSION, "pycuda": "2024.1", "cuda-python": "12.6.0"})
-    monkeypatch.setattr(gpu, "probe", lambda: env)
+    monkeypatch.setattr(gpu, "probe", lambda packages=(): env)
     return trt
 
 

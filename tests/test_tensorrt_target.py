@@ -22,10 +22,9 @@ from runtime.backends.tensorrt import (
     TensorRTBackend,
     engine_compatibility,
     engine_record,
-    missing_packages,
 )
 from runtime.forward_batch import ForwardBatch
-from runtime.gpu import Device, GpuEnvironment
+from runtime.gpu import Device, GpuEnvironment, missing_for
 
 H100 = {"tensorrt_version": "10.3.0", "gpu": "NVIDIA H100 80GB HBM3", "compute_capability": "9.0"}
 BUILT = "engine built with TensorRT 10.3.0 for NVIDIA H100 80GB HBM3 (compute capability 9.0)"
@@ -101,17 +100,17 @@ def test_an_artifact_without_an_engine_record_is_refused(tmp_path: Path) -> None
         TensorRTBackend(art.model_path, art.runtime_config, art.manifest)
 
 
-@pytest.mark.skipif(missing_packages() is None, reason="this machine has TensorRT and a GPU")
+@pytest.mark.skipif(missing_for("tensorrt") is None, reason="this machine has TensorRT and a GPU")
 def test_on_this_machine_the_refusal_says_there_is_no_tensorrt(tmp_path: Path) -> None:
     art = _artifact_folder(tmp_path, {"engine": H100})
     with pytest.raises(RuntimeError, match=r"; this machine has no TensorRT and (no NVIDIA GPU|.*\(\d+\.\d+\)): "):
         TensorRTBackend(art.model_path, art.runtime_config, art.manifest)
 
 
-def test_missing_packages_names_each_package_and_the_install(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_missing_for_tensorrt_names_each_package_and_the_install(monkeypatch: pytest.MonkeyPatch) -> None:
     env = GpuEnvironment("no NVIDIA driver (libcuda) on this machine", (),
                          {"tensorrt": None, "pycuda": None, "cuda-python": None})
-    assert missing_packages(env) == (
+    assert missing_for("tensorrt", env) == (
         "target tensorrt/cuda cannot run on this machine; missing: tensorrt (the TensorRT Python package); "
         "pycuda (device buffers and streams for the TensorRT runtime); cuda-python (NVRTC compiles the KV-cache "
         "scatter kernel at load; no nvcc needed); an NVIDIA GPU: no NVIDIA driver (libcuda) on this machine. "
@@ -119,11 +118,11 @@ def test_missing_packages_names_each_package_and_the_install(monkeypatch: pytest
         "driver")
     gpu = GpuEnvironment(None, (Device(0, "NVIDIA A10G", "8.6", 24 << 30),),
                          {"tensorrt": "10.5.0", "pycuda": "2024.1", "cuda-python": None})
-    assert missing_packages(gpu) == (
+    assert missing_for("tensorrt", gpu) == (
         "target tensorrt/cuda cannot run on this machine; missing: cuda-python (NVRTC compiles the KV-cache scatter "
         "kernel at load; no nvcc needed). Install with pip install '.[gpu]' (CUDA builds of the GPU packages) on a "
         "machine with an NVIDIA GPU and driver")
-    assert missing_packages(GpuEnvironment(None, gpu.devices, {**gpu.packages, "cuda-python": "12.6.0"})) is None
+    assert missing_for("tensorrt", GpuEnvironment(None, gpu.devices, {**gpu.packages, "cuda-python": "12.6.0"})) is None
 
 
 # ------------------------------------------------------------------------------------ recipes
@@ -233,7 +232,7 @@ def test_a_missing_timing_cache_file_is_refused_at_its_line(tmp_path: Path) -> N
     assert plan(recipe).passes[4].config.timing_cache == "caches/none.cache"
 
 
-@pytest.mark.skipif(missing_packages() is None, reason="this machine has TensorRT and a GPU")
+@pytest.mark.skipif(missing_for("tensorrt") is None, reason="this machine has TensorRT and a GPU")
 def test_build_fails_before_any_work_naming_what_is_missing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from compiler.passes.capture import CapturePass
 
@@ -244,7 +243,7 @@ def test_build_fails_before_any_work_naming_what_is_missing(tmp_path: Path, monk
     recipe = _trt_recipe(tmp_path)
     with pytest.raises(BuildError) as e:
         build(recipe, progress=False)
-    assert str(e.value) == f"pass 'build_engine': {missing_packages()}"
+    assert str(e.value) == f"pass 'build_engine': {missing_for('tensorrt')}"
     for words in ("tensorrt (the TensorRT Python package)", "pycuda", "cuda-python", "pip install '.[gpu]'"):
         assert words in str(e.value)
     assert not (tmp_path / "artifacts").exists()

@@ -117,9 +117,9 @@ class BuildEnginePass(Pass):
         return None
 
     def check_environment(self, recipe: Any) -> str | None:
-        from runtime.backends.tensorrt import missing_packages
+        from runtime.gpu import missing_for
 
-        return missing_packages()
+        return missing_for("tensorrt")
 
     def run(self, ctx: BuildContext) -> dict[str, Any]:
         import onnx

@@ -83,7 +83,7 @@ def present_machine() -> dict[str, str | None]:
     """This machine's TensorRT version, first GPU's name and compute capability (None when absent)."""
     from runtime.gpu import probe
 
-    env = probe()
+    env = probe(("tensorrt",))
     dev = env.devices[0] if env.devices else None
     return {"tensorrt_version": env.packages.get("tensorrt"), "gpu": dev.name if dev else None,
             "compute_capability": dev.compute_capability if dev else None}
@@ -106,14 +106,6 @@ def engine_compatibility(recorded: dict[str, Any], present: dict[str, Any]) -> s
         fix = (f"serve it on a machine with TensorRT {want[0]} and {want[1]}, or rebuild the artifact on the "
                "machine that serves it (pip install '.[gpu]')")
     return f"{built}; this machine has {trt_side} and {gpu_side}: {fix}"
-
-
-def missing_packages(env: Any = None) -> str | None:
-    """None when this machine can build and run TensorRT engines (tensorrt, pycuda, cuda-python, a GPU);
-    else what is missing, in one message (runtime.gpu.missing_for)."""
-    from runtime.gpu import missing_for
-
-    return missing_for("tensorrt", env)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -257,7 +249,9 @@ class TensorRTBackend:
         problem = engine_compatibility(record, present_machine())
         if problem is not None:
             raise RuntimeError(problem)
-        missing = missing_packages()
+        from runtime.gpu import missing_for
+
+        missing = missing_for("tensorrt")
         if missing is not None:
             raise RuntimeError(missing)
         import pycuda.driver as cuda
@@ -681,4 +675,4 @@ def _drv(driver: Any, result: Any, what: str) -> Any:
 
 
 __all__ = ["ENGINE_KEY", "SCATTER_KERNEL", "StagingLayout", "TensorRTBackend", "compile_scatter_kernel",
-           "engine_compatibility", "engine_record", "missing_packages", "present_machine", "trt_logger"]
+           "engine_compatibility", "engine_record", "present_machine", "trt_logger"]

@@ -14,13 +14,14 @@ import pytest
 
 from compiler.build import build
 from runtime.artifact import Artifact
-from runtime.backends.tensorrt import TensorRTBackend, engine_record, missing_packages, present_machine
+from runtime.backends.tensorrt import TensorRTBackend, engine_record, present_machine
 from runtime.engine import LLM
 from runtime.evaluate import prefix_agreement
 from runtime.forward_batch import ForwardBatch
+from runtime.gpu import missing_for
 from runtime.sampling import SamplingParams
 
-MISSING = missing_packages()
+MISSING = missing_for("tensorrt")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(MISSING is not None, reason=str(MISSING))]
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ["def fibonacci(n):\n    if", "import os\nimport sys\n\n", "class Stack:\n    def __init__(self):\n",
