@@ -1,7 +1,8 @@
 """GPU targets on the demo model: greedy tokens against the CPU artifact, decode speed with and without
 CUDA graphs, time to first token at 512 prompt tokens. The table of tests/gpu/run.sh.
 
-For each GPU target (torch/cuda float32, float16 and FP8 weights, onnxruntime/cuda float16 and INT4
+For each GPU target (torch/cuda float32, float16 and FP8 weights with the rule table's Triton paged
+attention, float16 with the decomposed attention for comparison, onnxruntime/cuda float16 and INT4
 weights, tensorrt/cuda float16) whose packages and GPU are present (runtime/gpu.py `missing_for`), the demo is built from a
 recipe derived from recipes/demo-torch-cuda.yaml / demo-onnxruntime-cuda.yaml / demo-tensorrt.yaml
 into --out; a target that cannot run here is a row with the reason.
@@ -42,23 +43,30 @@ sys.path.insert(0, str(ROOT))
 PROMPTS = ["def fibonacci(n):\n    if", "import os\nimport sys\n\n", "class Stack:\n    def __init__(self):\n",
            "for i in range(10):\n    print(", "    try:\n        return self.", "def main():\n    parser = ",
            "if __name__ == '__main__':\n", "    with open(path) as f:\n"]
-TARGETS = [  # (label, backend, recipe, dtype)
-    ("torch/cuda fp32", "torch", "demo-torch-cuda.yaml", "float32"),
-    ("torch/cuda fp16", "torch", "demo-torch-cuda.yaml", "float16"),
-    ("torch/cuda fp16 + fp8 weights", "torch", "demo-torch-cuda-fp8.yaml", "float16"),
-    ("onnxruntime/cuda fp16", "onnxruntime", "demo-onnxruntime-cuda.yaml", "float16"),
-    ("onnxruntime/cuda fp16 + int4", "onnxruntime", "demo-onnxruntime-cuda-int4.yaml", "float16"),
-    ("tensorrt fp16", "tensorrt", "demo-tensorrt.yaml", "float16"),
+TARGETS = [  # (label, backend, recipe, dtype, attention kernel forced in select_attention or None)
+    ("torch/cuda fp32", "torch", "demo-torch-cuda.yaml", "float32", None),
+    ("torch/cuda fp16", "torch", "demo-torch-cuda.yaml", "float16", None),
+    ("torch/cuda fp16 decomposed attn", "torch", "demo-torch-cuda.yaml", "float16", "decomposed"),
+    ("torch/cuda fp16 + fp8 weights", "torch", "demo-torch-cuda-fp8.yaml", "float16", None),
+    ("onnxruntime/cuda fp16", "onnxruntime", "demo-onnxruntime-cuda.yaml", "float16", None),
+    ("onnxruntime/cuda fp16 + int4", "onnxruntime", "demo-onnxruntime-cuda-int4.yaml", "float16", None),
+    ("tensorrt fp16", "tensorrt", "demo-tensorrt.yaml", "float16", None),
 ]
 
 
-def derived_recipe(src: Path, out: Path, dtype: str, tag: str) -> Path:
-    """The recipe with its dtype, name and output replaced (absolute paths: it is written elsewhere)."""
+def derived_recipe(src: Path, out: Path, dtype: str, tag: str, kernel: str | None = None) -> Path:
+    """The recipe with its dtype, name and output replaced (absolute paths: it is written elsewhere);
+    with `kernel`, select_attention forced to that attention variant."""
     import yaml
 
     data = yaml.safe_load(src.read_text())
     data["name"] = f"{data['name']}-{tag}"
     data["target"]["dtype"] = dtype
+    if kernel is not None:
+        data["name"] += f"-{kernel}"
+        for spec in data["passes"]:
+            if spec["name"] == "select_attention":
+                spec["options"] = {**(spec.get("options") or {}), "kernel": kernel}
     data["source"]["checkpoint"] = str((src.parent / data["source"]["checkpoint"]).resolve())
     if data.get("calibration", {}).get("data"):
         data["calibration"]["data"] = str((src.parent / data["calibration"]["data"]).resolve())
@@ -173,7 +181,7 @@ def main() -> None:
     print(f"cpu reference artifact built in {cpu_s:.1f} s", flush=True)
     batches = [1, 8, 32]
     rows: list[dict[str, Any]] = []
-    for label, backend, recipe_name, dtype in TARGETS:
+    for label, backend, recipe_name, dtype, kernel in TARGETS:
         row: dict[str, Any] = {"target": label}
         rows.append(row)
         recipe = ROOT / "recipes" / recipe_name
@@ -185,7 +193,7 @@ def main() -> None:
             print(f"{label}: skipped: {row['skipped']}", flush=True)
             continue
         try:
-            artifact, seconds = build(derived_recipe(recipe, args.out, dtype, dtype))
+            artifact, seconds = build(derived_recipe(recipe, args.out, dtype, dtype, kernel))
             row["build_s"] = round(seconds, 1)
             same, agree = agreement(reference, greedy(artifact))
             row.update(greedy_same=f"{same}/{len(PROMPTS)}", greedy_agree=round(agree, 4))

@@ -137,7 +137,8 @@ def _load_backend(artifact: Artifact, num_blocks: int | None, threads: int | Non
         from runtime.backends.pytorch import TorchBackend
 
         return TorchBackend(artifact.model_path, cfg, num_blocks=num_blocks, device=device, threads=threads,
-                            cuda_graphs=artifact.manifest.get("cuda_graphs"), graphs=graphs)
+                            cuda_graphs=artifact.manifest.get("cuda_graphs"), graphs=graphs,
+                            attention=artifact.manifest.get("kernels", {}).get("attention", {}).get("variant"))
     if backend == "tensorrt":
         if device != "cuda":
             raise RuntimeError(f"a TensorRT engine runs on the GPU it was built for, not on {device!r}")

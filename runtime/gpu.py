@@ -117,6 +117,7 @@ def _onnxruntime_cuda() -> str | None:
 _PACKAGES = {
     "torch": lambda: _version("torch"),
     "torch.cuda": _torch_cuda,
+    "triton": lambda: _version("triton"),  # the torch/cuda Triton attention kernel (checked by that backend)
     "onnxruntime": lambda: _version("onnxruntime"),
     "onnxruntime.cuda": _onnxruntime_cuda,
     "tensorrt": lambda: _version("tensorrt"),

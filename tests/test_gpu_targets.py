@@ -5,6 +5,9 @@ early messages when a GPU artifact is loaded where it cannot run. The GPU runs a
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,25 +15,30 @@ import torch
 from conftest import DEMO_MODEL, make_random_checkpoint, write_recipe
 from test_parity import hf_greedy, hf_model, prompts_of, staggered_greedy
 
+from compiler.attention import KERNELS
 from compiler.build import build, plan
 from compiler.passes.plan_cuda_graphs import fx_host_sync_findings
 from compiler.recipe import RecipeError
 from runtime.engine import LLM, LLMEngine
 from runtime.gpu import GpuEnvironment, missing_for, probe
+from runtime.kernels.paged_attention import triton_available
 from runtime.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCH_CUDA_PASSES = "  - name: capture\n  - name: plan_cuda_graphs\n  - name: package\n"
 NO_GPU = missing_for("torch") is not None
+HAS_TRITON = triton_available()
 
 
 @pytest.fixture(scope="module")
 def torch_cuda_artifact(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """A random Llama built for torch/cuda float32 (on this CPU machine), with its checkpoint."""
+    """A random Llama built for torch/cuda float32 (on this CPU machine), with its checkpoint; its
+    attention is the rule table's choice for torch/cuda, the Triton kernel (the reference on CPU)."""
     folder = tmp_path_factory.mktemp("torch-cuda")
     ckpt = make_random_checkpoint(folder / "ckpt", "LlamaForCausalLM", seed=5)
     quality = f"quality:\n  eval_data: {DEMO_MODEL / 'eval.txt'}\n  max_eval_tokens: 512\n  max_kl_divergence: 1.0e-6\n"
-    recipe = write_recipe(folder, ckpt, passes=TORCH_CUDA_PASSES, backend="torch", device="cuda", extra=quality)
+    recipe = write_recipe(folder, ckpt, passes="  - name: select_attention\n" + TORCH_CUDA_PASSES, backend="torch",
+                          device="cuda", extra=quality)
     return build(recipe, progress=False), ckpt
 
 
@@ -45,6 +53,12 @@ def test_torch_cuda_artifact_builds_on_cpu_with_a_capturable_plan(torch_cuda_art
     stats = next(p["stats"] for p in manifest["passes"] if p["name"] == "plan_cuda_graphs")
     assert stats["verified_buckets"] == [1, 2, 4, 8]  # each bucket ran twice on CPU with fixed shapes
     assert json.loads((artifact / "runtime.json").read_text())["device"] == "cuda"
+    assert manifest["kernels"]["attention"] == {**KERNELS["triton"], "variant": "triton", "selected_by": "rule"}
+    select = next(p["stats"] for p in manifest["passes"] if p["name"] == "select_attention")
+    assert select["autotune"] is False and select["rule"].startswith("torch/cuda: first valid of triton")
+    program = torch.export.load(str(artifact / "model.pt2"))
+    calls = [n for n in program.graph.nodes if "paged_attention_triton" in str(n.target)]
+    assert len(calls) == 2  # one per layer
     # the quality gate ran the same program (on CPU when this machine has no GPU) against the reference
     quality = manifest["quality"]
     assert quality["evaluated"] and quality["passed"] and quality["device"] == ("cpu" if NO_GPU else "cuda")
@@ -75,6 +89,36 @@ def test_padded_decode_buckets_match_transformers_and_the_eager_path(torch_cuda_
     assert eager.backend.bucket_steps == 0
     model = hf_model(ckpt)
     assert got == [hf_greedy(model, p, 12) for p in prompts]
+
+
+def _interpreted(*args: str) -> str:
+    """tests/triton_interpreted.py in a process where Triton runs its kernels in the interpreter (CPU)."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "triton_interpreted.py"), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install '.[dev]' installs it)")
+def test_triton_kernel_matches_the_reference_in_the_interpreter() -> None:
+    """Hypothesis cases (MHA/GQA/MQA, non-power-of-two groups and head dims, block sizes 1/4/16, empty
+    and decode-only sequences, prefill chunks with past, windows, float32/float16, blocks out of order):
+    the Triton kernel in Triton's interpreter against runtime.kernels.paged_attention_reference."""
+    assert "kernel ok" in _interpreted("kernel")
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install '.[dev]' installs it)")
+def test_triton_variant_artifact_runs_the_kernel_and_matches_transformers(
+        torch_cuda_artifact: tuple[Path, Path]) -> None:
+    """The torch/cuda artifact's program on CPU with its attention op running the Triton kernel (in the
+    interpreter), padded to the decode buckets as on the GPU: greedy tokens equal transformers'."""
+    artifact, ckpt = torch_cuda_artifact
+    out = json.loads(_interpreted("engine", str(artifact)).strip().splitlines()[-1])
+    assert out["kernel_calls"] > 2 * 10 and out["bucket_steps"] > 10
+    model = hf_model(ckpt)
+    assert out["tokens"] == [hf_greedy(model, p, 12) for p in prompts_of([5, 17, 33, 9, 12], seed=3)]
 
 
 def test_torch_cuda_float16_program_runs_padded_on_cpu(tmp_path: Path) -> None:

@@ -9,6 +9,9 @@ Variants (the model definition's `attention=`, compiler/models/llama.py):
   the pool and right-padded chunks (`query_seqlens`, ONNX Runtime >= 1.32), see lowering.py.
 - `paged_attention`: ONNX Runtime's com.microsoft.PagedAttention (CUDA kernel only, float16/bfloat16),
   reading and writing our pools directly. Built and schema-validated here; never run on CPU.
+- `triton`: the torch targets on CUDA: the program calls optimize::paged_attention_triton, a Triton
+  kernel reading the pools through the block table (runtime/kernels/); on CPU the same op runs the
+  per-sequence PyTorch reference (and the Triton kernel in Triton's interpreter under TRITON_INTERPRET=1).
 
 `candidates()` says for a model config and target which are valid and, when not, why.
 """
@@ -18,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-VARIANTS = ("decomposed", "gqa", "paged_attention")
+VARIANTS = ("decomposed", "gqa", "paged_attention", "triton")
 
 KERNELS: dict[str, dict[str, str]] = {
     "decomposed": {
@@ -35,6 +38,11 @@ KERNELS: dict[str, dict[str, str]] = {
         "implementation": "com.microsoft.PagedAttention",
         "description": "packed tokens over the paged KV pools (cumulative_sequence_length, past_seqlens, "
                        "block_table); ONNX Runtime CUDA only",
+    },
+    "triton": {
+        "implementation": "optimize::paged_attention_triton",
+        "description": "Triton kernel, one program per (token, KV head): the group's query heads over the past read "
+                       "through block_table, then the step's own K/V, online softmax; torch targets on CUDA",
     },
 }
 
@@ -90,7 +98,7 @@ def candidates(cfg: Any, backend: str, device: str, dtype: str, pass_names: list
     quant_kv = "quantize_kv_cache" in pass_names
     if cfg.num_heads % cfg.num_kv_heads:
         why = f"num_heads {cfg.num_heads} is not a multiple of num_kv_heads {cfg.num_kv_heads}"
-        return out + [Candidate("gqa", False, why), Candidate("paged_attention", False, why)]
+        return out + [Candidate(v, False, why) for v in ("gqa", "paged_attention", "triton")]
     if backend == "tensorrt":
         out.append(Candidate("gqa", False, _NOT_FOR_TENSORRT.format(op="GroupQueryAttention")))
     elif backend != "onnxruntime":
@@ -115,6 +123,16 @@ def candidates(cfg: Any, backend: str, device: str, dtype: str, pass_names: list
                              "PagedAttention's k_scale/v_scale without a new lowering"))
     else:
         out.append(Candidate("paged_attention", True, "PagedAttention CUDA kernel over the pools"))
+    if backend != "torch":
+        out.append(Candidate("triton", False, "a torch custom op (Triton kernel): torch targets only"))
+    elif device != "cuda":
+        out.append(Candidate("triton", False, "a CUDA kernel: on CPU the op runs a per-sequence PyTorch loop, "
+                             "slower than the decomposed path"))
+    elif dtype not in ("float32", "float16", "bfloat16"):
+        out.append(Candidate("triton", False, f"the kernel takes float32/float16/bfloat16, not {dtype}"))
+    else:
+        out.append(Candidate("triton", True, f"Triton kernel over the pools through the block table, {dtype}; "
+                             "CUDA-graph safe"))
     if backend == "onnxruntime" and device == "cuda":
         # runtime/backends/onnxruntime_cuda.py keeps the pools on the GPU and has PagedAttention write
         # this step's K/V into them in place; the other variants return K/V for a host-side scatter

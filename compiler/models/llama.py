@@ -14,7 +14,8 @@ never copies the pool. Weights load from Hugging Face names.
 `attention` picks the attention variant (compiler/attention/, chosen by the select_attention pass):
 "decomposed" is the paged attention above in standard ops; "gqa" and "paged_attention" call a
 custom op over the same packed tokens and pools whose ONNX translation is ONNX Runtime's
-GroupQueryAttention or PagedAttention contrib op (q/k norm and RoPE stay in our graph).
+GroupQueryAttention or PagedAttention contrib op (q/k norm and RoPE stay in our graph); "triton"
+(torch targets) calls optimize::paged_attention_triton, a Triton kernel on CUDA.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-ATTENTION_VARIANTS = ("decomposed", "gqa", "paged_attention")
+ATTENTION_VARIANTS = ("decomposed", "gqa", "paged_attention", "triton")
 
 
 class Attention(nn.Module):

@@ -8,8 +8,9 @@ kind (MHA/GQA/MQA, sliding window, q/k norm) and the target; among the valid one
   (compiler/attention/autotune.py: a one-layer model with the real dimensions, decode at batch 1/8/32
   with a 1k context and a 512-token prefill, through the runtime's backend) and the fastest total
   wins; a candidate whose logits differ from the decomposed path's is invalid;
-- `kernel: auto` without autotune (`autotune: false`, or the build driver's `no_autotune`): the fixed
-  rule table `RULES`, so the build is deterministic.
+- `kernel: auto` without autotune (`autotune: false`, or the build driver's `no_autotune`), or for a
+  target the autotuner cannot time here (it measures through ONNX Runtime on CPU; `TIMED_TARGETS`):
+  the fixed rule table `RULES`, so the build is deterministic.
 
 The choice goes to ctx.artifacts["attention"] (read by capture and lower_onnx) and the kernel facts
 to ctx.artifacts["attention_kernel"]; the stats (manifest) hold the attention kind, every candidate
@@ -30,16 +31,22 @@ log = logging.getLogger(__name__)
 # decomposed path wins decode at every batch size (GroupQueryAttention also copies the gathered past
 # into its present output: b8 1.4-3.0 ms vs 3.7-4.4 ms at 1k context) and GroupQueryAttention wins the
 # 512-token prefill (13-35 ms vs 19-67 ms); the rule keeps the decomposed path, which is also what a
-# build without this pass gets. On CUDA the paged kernel reads the pool in place.
+# build without this pass gets. On CUDA the paged kernels read the pool in place (the decomposed path
+# gathers every token's whole padded past: [T, kv_heads, max_blocks * block_size, head_dim] per layer).
 RULES: dict[tuple[str, str], tuple[str, ...]] = {
     ("onnxruntime", "cpu"): ("decomposed", "gqa"),
     ("onnxruntime", "cuda"): ("paged_attention", "gqa", "decomposed"),
+    ("torch", "cuda"): ("triton", "decomposed"),
 }
+
+# Targets whose candidates the autotuner can time on the build machine: it runs them through the ONNX
+# Runtime CPU backend. Elsewhere `kernel: auto` takes the rule table.
+TIMED_TARGETS = {("onnxruntime", "cpu")}
 
 
 @dataclass(frozen=True)
 class SelectAttentionOptions:
-    kernel: Literal["auto", "decomposed", "gqa", "paged_attention"] = "auto"
+    kernel: Literal["auto", "decomposed", "gqa", "paged_attention", "triton"] = "auto"
     autotune: bool = True  # measure the valid candidates (kernel: auto); false: the rule table
 
 
@@ -72,7 +79,8 @@ class SelectAttentionPass(Pass):
             "attention_kind": attention_kind(cfg),
             "target": f"{t.backend}/{t.device}/{t.dtype}",
             "kernel": kernel,
-            "autotune": bool(autotune_on and kernel == "auto" and len(valid) > 1),
+            "autotune": bool(autotune_on and kernel == "auto" and len(valid) > 1
+                             and (t.backend, t.device) in TIMED_TARGETS),
         }
         if kernel != "auto":
             cand = next(c for c in cands if c.variant == kernel)

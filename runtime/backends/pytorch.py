@@ -5,6 +5,10 @@ per-layer KV pools [num_blocks, block_size, kv_heads, head_dim] and returns logi
 layer's new K/V, which this backend writes into its pools at `slot_mapping` (`index_copy_` on the
 pool viewed as slots). torch is imported only when such an artifact is loaded.
 
+Attention. A program built with the `triton` variant calls optimize::paged_attention_triton
+(runtime/backends/torch_ops.py): the Triton kernel on CUDA (triton must be installed: checked at
+load), the per-sequence PyTorch reference on CPU.
+
 Devices. The program is exported device-neutral; on `cuda` it is moved to the GPU at load
 (`torch.export.passes.move_to_device_pass`) with the pools in device memory. On CPU the numpy
 arrays become tensors without copies and the pools have numpy views (`k_pools`, `v_pools`).
@@ -53,7 +57,7 @@ class TorchBackend:
 
     def __init__(self, model_path: Path, config: dict[str, Any], num_blocks: int | None = None,
                  device: str = "cpu", threads: int | None = None, cuda_graphs: dict[str, Any] | None = None,
-                 graphs: str | None = None) -> None:
+                 graphs: str | None = None, attention: str | None = None) -> None:
         graphs = graphs or ("off" if os.environ.get("OPTIMIZE_CUDA_GRAPHS", "1") == "0" else "auto")
         if graphs not in GRAPH_MODES:
             raise ValueError(f"graphs must be one of {', '.join(GRAPH_MODES)}, got {graphs!r}")
@@ -65,6 +69,13 @@ class TorchBackend:
             problem = missing_for("torch")
             if problem is not None:
                 raise RuntimeError(f"{problem} (or load the artifact with device='cpu')")
+            if attention == "triton":
+                from runtime.kernels.paged_attention import triton_available
+
+                if not triton_available():
+                    raise RuntimeError("this artifact's attention is the Triton paged-attention kernel "
+                                       "(optimize::paged_attention_triton) and triton is not installed: pip install "
+                                       "triton (CUDA builds of torch ship it), or load the artifact with device='cpu'")
         try:
             import torch
         except ImportError as e:  # pragma: no cover - depends on the install

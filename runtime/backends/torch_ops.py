@@ -10,13 +10,26 @@ On a CUDA GPU with FP8 tensor cores (compute capability >= 8.9) and act != 0 the
 through `torch._scaled_mm` (row-wise scales: the input's per row, the weight's per column), with
 float32 accumulation; elsewhere the weight is dequantized and the product runs in x's dtype on the
 fake-quantized input: the same arithmetic up to accumulation order.
+
+`optimize::paged_attention_triton(q, k, v, k_cache, v_cache, cu_seqlens, past_lens, block_table, num_heads,
+kv_heads, head_dim, block_size, window, scale)`: the `triton` attention variant (runtime/kernels/
+paged_attention.py). On CUDA tensors the Triton kernel, which reads the pools through the block table
+without host synchronisation (CUDA-graph safe); on CPU the per-sequence PyTorch reference, or the same
+Triton kernel in Triton's interpreter when the process runs with TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
+
+from runtime.kernels.paged_attention import (
+    paged_attention_reference,
+    paged_attention_triton,
+    triton_available,
+)
 
 E4M3_MAX = 448.0
 ACT_NONE, ACT_STATIC, ACT_DYNAMIC = 0, 1, 2
@@ -67,4 +80,28 @@ def _(x, weight, weight_scale, input_scale, bias, act):  # noqa: ANN001, ANN202
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
-__all__ = ["ACT_DYNAMIC", "ACT_NONE", "ACT_STATIC", "fp8_linear"]
+@torch.library.custom_op("optimize::paged_attention_triton", mutates_args=())
+def paged_attention_triton_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                              v_cache: torch.Tensor, cu_seqlens: torch.Tensor, past_lens: torch.Tensor,
+                              block_table: torch.Tensor, num_heads: int, kv_heads: int, head_dim: int,
+                              block_size: int, window: int, scale: float) -> torch.Tensor:
+    args = (q, k, v, k_cache, v_cache, cu_seqlens, past_lens, block_table, num_heads, kv_heads, window, scale)
+    if os.environ.get("TRITON_INTERPRET") == "1" and triton_available():
+        return paged_attention_triton(*args)
+    return paged_attention_reference(*args)
+
+
+@paged_attention_triton_op.register_kernel("cuda")
+def _(q, k, v, k_cache, v_cache, cu_seqlens, past_lens, block_table, num_heads, kv_heads, head_dim,  # noqa: ANN001, ANN202
+      block_size, window, scale):
+    return paged_attention_triton(q, k, v, k_cache, v_cache, cu_seqlens, past_lens, block_table, num_heads,
+                                  kv_heads, window, scale)
+
+
+@paged_attention_triton_op.register_fake
+def _(q, k, v, k_cache, v_cache, cu_seqlens, past_lens, block_table, num_heads, kv_heads, head_dim,  # noqa: ANN001, ANN202
+      block_size, window, scale):
+    return q.new_empty(q.shape)
+
+
+__all__ = ["ACT_DYNAMIC", "ACT_NONE", "ACT_STATIC", "fp8_linear", "paged_attention_triton_op"]

@@ -1,6 +1,8 @@
 """torch/cuda on a GPU: the artifact moved to the device, one CUDA graph per decode bucket captured at
-load and replayed, greedy tokens equal to transformers (float32) and to the eager path. Skips with the
-reason where this machine cannot run the target (runtime/gpu.py)."""
+load and replayed, greedy tokens equal to transformers (float32) and to the eager path, with the
+Triton paged-attention kernel and with the decomposed attention; the Triton kernel compiled for the GPU
+against the PyTorch reference. Skips with the reason where this machine cannot run the target
+(runtime/gpu.py)."""
 
 from __future__ import annotations
 
@@ -19,11 +21,26 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(MISSING is not None, reason=st
 PASSES = "  - name: capture\n  - name: plan_cuda_graphs\n  - name: package\n"
 
 
-@pytest.fixture(scope="module")
-def artifact(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    folder = tmp_path_factory.mktemp("torch-cuda-gpu")
+@pytest.fixture(scope="module", params=["triton", "decomposed"])
+def artifact(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    folder = tmp_path_factory.mktemp(f"torch-cuda-gpu-{request.param}")
     ckpt = make_random_checkpoint(folder / "ckpt", "LlamaForCausalLM", seed=5)
-    return build(write_recipe(folder, ckpt, passes=PASSES, backend="torch", device="cuda"), progress=False), ckpt
+    passes = f"  - name: select_attention\n    options:\n      kernel: {request.param}\n" + PASSES
+    return build(write_recipe(folder, ckpt, passes=passes, backend="torch", device="cuda"), progress=False), ckpt
+
+
+def test_triton_kernel_on_the_gpu_matches_the_reference() -> None:
+    """The hypothesis cases of tests/triton_interpreted.py, the kernel compiled for this GPU."""
+    from hypothesis import given, settings
+    from triton_interpreted import cases, run_case
+
+    @settings(max_examples=60, deadline=None, derandomize=True)
+    @given(cases())
+    def check(c: dict) -> None:
+        err = run_case(c, device="cuda")
+        assert err <= (1e-4 if c["dtype"] == "float32" else 4e-3), (err, c)
+
+    check()
 
 
 def test_cuda_graphs_replay_and_match_transformers(artifact: tuple[Path, Path]) -> None:

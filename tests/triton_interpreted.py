@@ -1,0 +1,109 @@
+"""Run in a process started with TRITON_INTERPRET=1 (tests/test_gpu_targets.py does): Triton builds
+its kernels for the interpreter, which runs them on CPU tensors.
+
+    python tests/triton_interpreted.py kernel            # hypothesis: the Triton kernel vs the reference
+    python tests/triton_interpreted.py engine ARTIFACT   # greedy tokens of the artifact with the kernel
+
+`kernel` exits non-zero with the falsifying example when the kernel and the reference differ;
+`engine` prints {"tokens": [...], "kernel_calls": N, "bucket_steps": N} for the prompts of
+test_gpu_targets.py. tests/gpu/test_torch_cuda.py runs the same cases on a GPU (compiled kernel).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+from runtime.kernels import paged_attention as pa  # noqa: E402
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> dict:
+    kvh = draw(st.sampled_from([1, 2, 3]))
+    group = draw(st.sampled_from([1, 2, 3, 4]))
+    d = draw(st.sampled_from([8, 12, 32]))
+    bs = draw(st.sampled_from([1, 4, 16]))
+    seqs = draw(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 6)), min_size=1, max_size=4))  # (past, new)
+    if all(n == 0 for _, n in seqs):
+        seqs[0] = (seqs[0][0], 1)
+    window = draw(st.sampled_from([0, 1, 5, 17]))
+    dtype = draw(st.sampled_from(["float32", "float16"]))
+    return {"kvh": kvh, "group": group, "d": d, "bs": bs, "seqs": seqs, "window": window, "dtype": dtype,
+            "seed": draw(st.integers(0, 2**31 - 1))}
+
+
+def run_case(c: dict, device: str = "cpu") -> float:
+    """Largest |kernel - reference| (float32 reference) on one random case (inputs made on CPU, the
+    kernel run on `device`: cpu in the interpreter, cuda compiled; tests/gpu uses the latter)."""
+    g = torch.Generator().manual_seed(c["seed"])
+    kvh, h, d, bs = c["kvh"], c["kvh"] * c["group"], c["d"], c["bs"]
+    dtype = getattr(torch, c["dtype"])
+    need = [-(-p // bs) for p, _ in c["seqs"]]
+    width = max(1, max(need) + 1)
+    num_blocks = sum(need) + 3
+    perm = torch.randperm(num_blocks, generator=g).to(torch.int32)  # blocks out of order
+    table = torch.full((len(c["seqs"]), width), -1, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(need):
+        table[b, :n] = perm[used:used + n]
+        used += n
+    news = [n for _, n in c["seqs"]]
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(news)]), dtype=torch.int32)
+    past = torch.tensor([p for p, _ in c["seqs"]], dtype=torch.int32)
+    t = int(cu[-1])
+    rand = lambda *shape: torch.randn(*shape, generator=g).to(dtype)  # noqa: E731
+    q, k, v = rand(t, h * d), rand(t, kvh * d), rand(t, kvh * d)
+    kc, vc = rand(num_blocks, bs, kvh, d), rand(num_blocks, bs, kvh, d)
+    args = (cu, past, table, h, kvh, c["window"], d ** -0.5)
+    want = pa.paged_attention_reference(q.float(), k.float(), v.float(), kc.float(), vc.float(), *args)
+    on = [x.to(device) for x in (q, k, v, kc, vc, cu, past, table)]
+    got = pa.paged_attention_triton(*on[:5], *on[5:], *args[3:]).cpu()
+    assert got.dtype == dtype and got.shape == (t, h * d)
+    return float((got.float() - want).abs().max()) if t else 0.0
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(cases())
+def check_kernel(c: dict) -> None:
+    err = run_case(c)
+    tol = 1e-5 if c["dtype"] == "float32" else 4e-3
+    assert err <= tol, f"kernel differs from the reference by {err} on {c}"
+
+
+def run_engine(artifact: str) -> dict:
+    from test_parity import prompts_of, staggered_greedy
+
+    from runtime.backends import torch_ops
+    from runtime.engine import LLMEngine
+
+    calls = {"n": 0}
+    kernel = pa.paged_attention_triton
+
+    def counted(*a: object) -> torch.Tensor:
+        calls["n"] += 1
+        return kernel(*a)
+
+    torch_ops.paged_attention_triton = counted  # the op's CPU branch calls it under TRITON_INTERPRET=1
+    engine = LLMEngine(artifact, device="cpu", graphs="padded")
+    tokens = staggered_greedy(engine, prompts_of([5, 17, 33, 9, 12], seed=3), [0, 0, 2, 5, 6], 12)
+    return {"tokens": tokens, "kernel_calls": calls["n"], "bucket_steps": engine.backend.bucket_steps}
+
+
+if __name__ == "__main__":
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("run with TRITON_INTERPRET=1")
+    if sys.argv[1] == "kernel":
+        check_kernel()
+        print("kernel ok")
+    else:
+        print(json.dumps(run_engine(sys.argv[2])))
