@@ -83,3 +83,22 @@ def test_torch_targets_lower_fp8_only(tmp_path: Path) -> None:
     with pytest.raises(RecipeError, match="the onnxruntime target uses lower_quant") as e:
         plan(recipe)
     assert e.value.field == "passes[4].name"
+
+
+def test_float16_torch_cuda_fp8_calibrates_in_its_dtype(tmp_path: Path) -> None:
+    """recipes/demo-torch-cuda-fp8.yaml's shape (float16 target, Triton attention, static FP8 activations)
+    on a random model: calibration runs the float16 layers on float16 inputs, and the quality gate (the
+    program on CPU against the float32 checkpoint) passes."""
+    ckpt = make_random_checkpoint(tmp_path / "ckpt", "LlamaForCausalLM", seed=9)
+    passes = ("  - name: select_attention\n  - name: capture\n" + _fp8("static")
+              + "  - name: lower_quant_torch\n  - name: plan_cuda_graphs\n  - name: package\n")
+    art = build(write_recipe(tmp_path, ckpt, backend="torch", device="cuda", dtype="float16",
+                             extra=CALIBRATION + QUALITY, passes=passes), progress=False)
+    manifest = json.loads((art / "manifest.json").read_text())
+    assert manifest["kernels"]["attention"]["variant"] == "triton" and manifest["target"]["dtype"] == "float16"
+    stats = next(p["stats"] for p in manifest["passes"] if p["name"] == "lower_quant_torch")
+    assert stats["fp8_linears"] == 14
+    quality = manifest["quality"]
+    assert quality["evaluated"] and quality["passed"]
+    assert abs(quality["metrics"]["perplexity_increase_pct"]) < 2.0 and quality["metrics"]["token_agreement"] > 0.8
+    assert LLMEngine(art, device="cpu").backend.forward(_batch()).shape == (22, 4096)

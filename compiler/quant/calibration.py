@@ -135,7 +135,8 @@ class LayerRunner:
                 groups.append([s])
         self.batches: list[_Batch] = []
         self.hidden: list[torch.Tensor] = []  # input of the next layer, one [T, hidden] per batch
-        cache = torch.zeros(1, model.block_size, cfg.num_kv_heads, cfg.head_dim, dtype=torch.float32)
+        dtype = model.embed_tokens.weight.dtype  # the model's (a float16 target calibrates in float16)
+        cache = torch.zeros(1, model.block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype)
         with torch.no_grad():
             for g in groups:
                 ids = torch.tensor([t for s in g for t in s], dtype=torch.int64)
@@ -148,8 +149,8 @@ class LayerRunner:
                 freqs = positions.to(torch.float32).unsqueeze(1) * model.inv_freq.unsqueeze(0)
                 emb = torch.cat([freqs, freqs], dim=-1)
                 actx = AttentionContext(positions, cu, past, table, model.block_size, cfg.num_kv_heads)
-                self.batches.append(_Batch(emb.cos(), emb.sin(), actx, cache, cache))
-                self.hidden.append(model.embed_tokens(ids).to(torch.float32))
+                self.batches.append(_Batch(emb.cos().to(dtype), emb.sin().to(dtype), actx, cache, cache))
+                self.hidden.append(model.embed_tokens(ids))
         self.num_tokens = sum(len(s) for s in seqs)
 
     def attention(self, layer: nn.Module, x: torch.Tensor, b: int) -> torch.Tensor:
