@@ -21,6 +21,8 @@ machine without a GPU).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -66,6 +68,7 @@ def pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+@functools.cache
 def triton_available() -> bool:
     try:
         import triton  # noqa: F401
