@@ -156,7 +156,9 @@ def test_demo_build_as_in_the_readme_records_passes_kernels_and_timings(tmp_path
     assert res.returncode == 0, res.stderr
     rows = {ln.split("  ")[0]: ln for ln in res.stdout.splitlines()}
     assert f"chose {sel['choice']} (autotune)" in rows["pass select_attention"]
-    assert "nodes 515 -> 359; fused: " in rows["pass fuse"] and "rms_norm x13" in rows["pass fuse"]
+    # the graph's size depends on the variant the timing chose (either can win on a busy 2-core machine)
+    nodes = {"decomposed": "nodes 515 -> 359; fused: ", "gqa": "nodes 412 -> 256; fused: "}[sel["choice"]]
+    assert nodes in rows["pass fuse"] and "rms_norm x13" in rows["pass fuse"]
     assert "decode buckets 1, 2, 4, 8, 16; capturable yes" in rows["pass plan_cuda_graphs"]
 
 
