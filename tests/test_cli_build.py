@@ -159,7 +159,16 @@ def test_demo_build_as_in_the_readme_records_passes_kernels_and_timings(tmp_path
     # the graph's size depends on the variant the timing chose (either can win on a busy 2-core machine)
     nodes = {"decomposed": "nodes 515 -> 359; fused: ", "gqa": "nodes 412 -> 256; fused: "}[sel["choice"]]
     assert nodes in rows["pass fuse"] and "rms_norm x13" in rows["pass fuse"]
-    assert "decode buckets 1, 2, 4, 8, 16; capturable yes" in rows["pass plan_cuda_graphs"]
+    # decomposed reads shapes only from input shapes; gqa pads the packed tokens to the step's longest
+    # chunk (ReduceMax of the lengths -> Range), a shape the host must read: not capturable
+    capturable = {"decomposed": "yes", "gqa": "no"}[sel["choice"]]
+    assert f"decode buckets 1, 2, 4, 8, 16; capturable {capturable}" in rows["pass plan_cuda_graphs"]
+    findings = manifest["cuda_graphs"]["host_sync_findings"]
+    if sel["choice"] == "gqa":
+        assert [f["op"] for f in findings] == ["Range", "Range"], findings
+        assert all("derives from input contents" in f["reason"] for f in findings)
+    else:
+        assert findings == []
 
 
 @pytest.mark.slow
