@@ -158,6 +158,7 @@ def test_onnxruntime_cuda_demo_builds_here_with_paged_attention(tmp_path: Path) 
     fuse = next(p["stats"] for p in manifest["passes"] if p["name"] == "fuse")
     assert fuse["checks"]["paged_attention_schema"] == "6 nodes valid"
     assert fuse["fusions"]["qkv"] == 6 and fuse["fusions"]["gate_up"] == 6
+    assert fuse["fusions"]["rotary"] == 12 and fuse["nodes_after"] == 146  # float16 caches (tests/test_fusion.py)
     assert manifest["cuda_graphs"]["capturable"] and manifest["cuda_graphs"]["applies"]
     if missing_for("onnxruntime") is not None:
         assert manifest["quality"]["evaluated"] is False

@@ -6,7 +6,7 @@ computation (MatMul(inv_freq[1, E, 1], position_ids) -> Transpose). Our model (c
 packs tokens without padding and computes, once per step,
 
     freqs = Cast(positions[T], float) [T, 1] * inv_freq [1, d/2];  emb = Concat(freqs, freqs, -1)
-    cos, sin = Cos(emb), Sin(emb) -> Unsqueeze(axis 1) -> [T, 1, d]
+    cos, sin = Cos(emb), Sin(emb) [-> Cast(activation dtype)] -> Unsqueeze(axis 1) -> [T, 1, d]
 
 and for each of q [T, heads, d] and k [T, kv_heads, d] (after the q/k norm on Qwen3):
 
@@ -21,8 +21,10 @@ ONNX Runtime's kernel takes 3-D input as [batch, seq, heads * head_size] (4-D wo
 which packed tokens are not). The caches are initializers [rows, d/2] computed as the model computes
 cos/sin (float32 positions * the graph's own inv_freq constant, then cos/sin, in torch float32);
 rows = the artifact's max_model_len (ONNX Runtime refuses a position outside the cache with an
-error, and the engine never schedules a position >= max_model_len). The nodes that computed
-cos/sin in the graph become dead and are removed.
+error, and the engine never schedules a position >= max_model_len). In a float16 graph (onnxruntime/cuda) the
+model casts cos/sin to the activation dtype (the kernel takes caches of its input's type): the
+caches are then the float32 values cast the same way, so the fused graph multiplies by exactly the
+numbers the unfused one did. The nodes that computed cos/sin in the graph become dead and are removed.
 """
 
 from __future__ import annotations
@@ -34,15 +36,21 @@ from onnx import TensorProto, helper
 from compiler.fusion.graph import MS_DOMAIN, FusionGraph, RuleReport, attr, const_array, shape_of, tensor
 
 _BIG = 2**31 - 1
+# the activation dtypes of the ONNX targets (onnxruntime/cpu float32, onnxruntime/cuda float16); RotaryEmbedding
+# takes caches of its input's type
+_CACHE_DTYPES = {TensorProto.FLOAT: np.float32, TensorProto.FLOAT16: np.float16}
 
 
-def rope_cache(inv_freq: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray]:
-    """(cos, sin) [rows, d/2] float32, computed as the model does: float32 positions * inv_freq."""
+def rope_cache(inv_freq: np.ndarray, rows: int, dtype: int = TensorProto.FLOAT) -> tuple[np.ndarray, np.ndarray]:
+    """(cos, sin) [rows, d/2] in `dtype` (an ONNX element type of _CACHE_DTYPES), computed as the model
+    does: float32 positions * inv_freq, cos/sin in float32, then cast (round to nearest, as the graph's
+    Cast does)."""
     import torch
 
     inv = torch.from_numpy(np.array(inv_freq, np.float32).reshape(-1))
     freqs = torch.arange(rows, dtype=torch.int64).to(torch.float32).unsqueeze(1) * inv.unsqueeze(0)
-    return freqs.cos().numpy().astype(np.float32), freqs.sin().numpy().astype(np.float32)
+    np_dtype = _CACHE_DTYPES[dtype]
+    return freqs.cos().numpy().astype(np_dtype), freqs.sin().numpy().astype(np_dtype)
 
 
 class _Matcher:
@@ -60,33 +68,48 @@ class _Matcher:
         return None if a is None else a.reshape(-1).tolist()
 
     def trig(self, name: str, op: str) -> onnx.NodeProto | None:
-        """The Cos/Sin node behind Unsqueeze(trig(emb), axes=[1])."""
+        """The Cos/Sin node behind Unsqueeze(trig(emb), axes=[1]) or Unsqueeze(Cast(trig(emb)), axes=[1])."""
         u = self.prod(name, "Unsqueeze")
         if u is None or self.const(u.input[1]) != [1]:
             return None
-        return self.prod(u.input[0], op)
+        cast = self.prod(u.input[0], "Cast")
+        return self.prod(cast.input[0] if cast is not None else u.input[0], op)
 
-    def match(self, add: onnx.NodeProto) -> tuple[str, str, int, int] | str | None:
-        """(x, inv_freq initializer, heads, head_dim); a reason when it half-matches; None otherwise."""
+    def trig_dtype(self, name: str) -> int:
+        """The element type of Unsqueeze(...) `name` feeds the product: a Cast's `to`, else float32."""
+        u = self.producers[name]
+        cast = self.prod(u.input[0], "Cast")
+        return int(attr(cast, "to")) if cast is not None else TensorProto.FLOAT
+
+    def match(self, add: onnx.NodeProto) -> tuple[str, str, int, int, int] | str | None:
+        """(x, inv_freq initializer, heads, head_dim, cache dtype); a reason when it half-matches; None
+        otherwise."""
         if len(add.input) != 2:
             return None
         muls = [self.prod(x, "Mul") for x in add.input]
         if any(m is None for m in muls):
             return None
         for m_cos, m_sin in ((muls[0], muls[1]), (muls[1], muls[0])):
-            cos_side = [(self.trig(y, "Cos"), x) for x, y in (m_cos.input, m_cos.input[::-1])]  # type: ignore[union-attr]
-            sin_side = [(self.trig(y, "Sin"), r) for r, y in (m_sin.input, m_sin.input[::-1])]  # type: ignore[union-attr]
-            c = next(((t, x) for t, x in cos_side if t is not None), None)
-            s = next(((t, r) for t, r in sin_side if t is not None), None)
+            cos_side = [(self.trig(y, "Cos"), x, y) for x, y in (m_cos.input, m_cos.input[::-1])]  # type: ignore[union-attr]
+            sin_side = [(self.trig(y, "Sin"), r, y) for r, y in (m_sin.input, m_sin.input[::-1])]  # type: ignore[union-attr]
+            c = next(((t, x, y) for t, x, y in cos_side if t is not None), None)
+            s = next(((t, r, y) for t, r, y in sin_side if t is not None), None)
             if c is None or s is None:
                 continue
-            (cos, x), (sin, r) = c, s
-            return self._check(x, r, cos, sin)
+            (cos, x, cos_u), (sin, r, sin_u) = c, s
+            return self._check(x, r, cos, sin, self.trig_dtype(cos_u), self.trig_dtype(sin_u))
         return None
 
-    def _check(self, x: str, r: str, cos: onnx.NodeProto, sin: onnx.NodeProto) -> tuple[str, str, int, int] | str:
+    def _check(self, x: str, r: str, cos: onnx.NodeProto, sin: onnx.NodeProto, cos_dtype: int,
+               sin_dtype: int) -> tuple[str, str, int, int, int] | str:
         if cos.input[0] != sin.input[0]:
             return "cos and sin of different angles"
+        x_info = self.g.value_info.get(x)
+        x_dtype = x_info.type.tensor_type.elem_type if x_info is not None else None
+        if cos_dtype != sin_dtype or cos_dtype not in _CACHE_DTYPES or (x_dtype is not None and x_dtype != cos_dtype):
+            return (f"cos/sin are {TensorProto.DataType.Name(cos_dtype)}/{TensorProto.DataType.Name(sin_dtype)} "
+                    f"and the input {TensorProto.DataType.Name(x_dtype) if x_dtype else 'of unknown type'}: "
+                    "the kernel takes caches of its input's type")
         shape = shape_of(self.g, x)
         if shape is None or len(shape) != 3 or not isinstance(shape[1], int) or not isinstance(shape[2], int):
             return f"input {x} is not [T, heads, head_dim] with static heads and head_dim (shape {shape})"
@@ -129,14 +152,14 @@ class _Matcher:
                 return "the angles are not computed from a 1-D int64 graph input (positions)"
             if inv_value.dtype != np.float32 or inv_value.size * 2 != d or inv_value.size != inv_value.shape[-1]:
                 return f"inv_freq {inv_value.shape} does not match head_dim {d}"
-            return x, inv, heads, d
+            return x, inv, heads, d, cos_dtype
         return "inv_freq is not a constant"
 
 
 def fuse_rotary(g: FusionGraph, cache_rows: int) -> RuleReport:
     report = RuleReport()
     matcher = _Matcher(g)
-    caches: dict[str, tuple[str, str]] = {}
+    caches: dict[tuple[str, int], tuple[str, str]] = {}
     pos_ids: dict[str, str] = {}
     shapes: dict[tuple[int, ...], str] = {}
 
@@ -153,11 +176,11 @@ def fuse_rotary(g: FusionGraph, cache_rows: int) -> RuleReport:
         if isinstance(m, str):
             report.miss(add.output[0], m)
             continue
-        x, inv, heads, d = m
-        if inv not in caches:
-            cos, sin = rope_cache(const_array(g, inv), cache_rows)  # type: ignore[arg-type]
-            caches[inv] = (g.add_init(tensor(cos, g.unique("rotary_cos_cache"))),
-                           g.add_init(tensor(sin, g.unique("rotary_sin_cache"))))
+        x, inv, heads, d, dtype = m
+        if (inv, dtype) not in caches:
+            cos, sin = rope_cache(const_array(g, inv), cache_rows, dtype)  # type: ignore[arg-type]
+            caches[inv, dtype] = (g.add_init(tensor(cos, g.unique("rotary_cos_cache"))),
+                                  g.add_init(tensor(sin, g.unique("rotary_sin_cache"))))
         # the positions graph input behind this pattern (checked by the matcher)
         positions = _positions_of(matcher, add)
         if positions not in pos_ids:
@@ -167,7 +190,7 @@ def fuse_rotary(g: FusionGraph, cache_rows: int) -> RuleReport:
                                                name=g.unique("rotary_position_ids_Unsqueeze")))
         base = add.output[0]
         x3, y3 = g.unique(f"{base}_rotary_input"), g.unique(f"{base}_rotary_output")
-        cos_c, sin_c = caches[inv]
+        cos_c, sin_c = caches[inv, dtype]
         new = [
             helper.make_node("Reshape", [x, shape_const((1, -1, heads * d))], [x3], name=g.unique(f"{base}_Reshape_in")),
             helper.make_node("RotaryEmbedding", [x3, pos_ids[positions], cos_c, sin_c], [y3],
