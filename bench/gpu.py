@@ -48,18 +48,25 @@ TARGETS = [  # (label, backend, recipe, dtype, attention kernel forced in select
     ("torch/cuda fp16", "torch", "demo-torch-cuda.yaml", "float16", None),
     ("torch/cuda fp16 decomposed attn", "torch", "demo-torch-cuda.yaml", "float16", "decomposed"),
     ("torch/cuda fp16 + fp8 weights", "torch", "demo-torch-cuda-fp8.yaml", "float16", None),
+    ("torch/cuda fp16 + int4 awq weights", "torch", "demo-torch-cuda-int4-awq.yaml", "float16", None),
     ("onnxruntime/cuda fp16", "onnxruntime", "demo-onnxruntime-cuda.yaml", "float16", None),
     ("onnxruntime/cuda fp16 + int4", "onnxruntime", "demo-onnxruntime-cuda-int4.yaml", "float16", None),
     ("tensorrt fp16", "tensorrt", "demo-tensorrt.yaml", "float16", None),
 ]
 
 
-def derived_recipe(src: Path, out: Path, dtype: str, tag: str, kernel: str | None = None) -> Path:
+def derived_recipe(src: Path, out: Path, dtype: str, tag: str, kernel: str | None = None,
+                   batch: int = 32, context: int = 512) -> Path:
     """The recipe with its dtype, name and output replaced (absolute paths: it is written elsewhere);
-    with `kernel`, select_attention forced to that attention variant."""
+    with `kernel`, select_attention forced to that attention variant. The runtime is widened to hold the
+    largest timed decode batch: `batch` sequences of `context` tokens in the pool, and max_num_seqs
+    (hence the largest CUDA-graph bucket) at least `batch`."""
     import yaml
 
     data = yaml.safe_load(src.read_text())
+    rt = data["runtime"]
+    rt["max_num_seqs"] = max(rt["max_num_seqs"], batch)
+    rt["num_kv_blocks"] = max(rt["num_kv_blocks"], batch * -(-(context + 1) // rt["kv_block_size"]))
     data["name"] = f"{data['name']}-{tag}"
     data["target"]["dtype"] = dtype
     if kernel is not None:
@@ -167,6 +174,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--device", choices=["cpu"], default=None, help="run the torch targets on CPU (script check)")
+    ap.add_argument("--only", default=None, help="run only the rows whose label contains this text")
     args = ap.parse_args()
     global DEVICE
     DEVICE = args.device
@@ -175,13 +183,16 @@ def main() -> None:
 
     env = describe()
     print(f"GPU: {env['devices'] or env['driver']}; packages: {env['packages']}", flush=True)
-    cpu_recipe = derived_recipe(ROOT / "recipes" / "demo.yaml", args.out, "float32", "cpu")
+    batches = [1, 8, 32]
+    cpu_recipe = derived_recipe(ROOT / "recipes" / "demo.yaml", args.out, "float32", "cpu",
+                                batch=max(batches), context=args.context)
     cpu_artifact, cpu_s = build(cpu_recipe)
     reference = greedy(cpu_artifact, device="cpu")
     print(f"cpu reference artifact built in {cpu_s:.1f} s", flush=True)
-    batches = [1, 8, 32]
     rows: list[dict[str, Any]] = []
     for label, backend, recipe_name, dtype, kernel in TARGETS:
+        if args.only and args.only not in label:
+            continue
         row: dict[str, Any] = {"target": label}
         rows.append(row)
         recipe = ROOT / "recipes" / recipe_name
@@ -193,7 +204,8 @@ def main() -> None:
             print(f"{label}: skipped: {row['skipped']}", flush=True)
             continue
         try:
-            artifact, seconds = build(derived_recipe(recipe, args.out, dtype, dtype, kernel))
+            artifact, seconds = build(derived_recipe(recipe, args.out, dtype, dtype, kernel, max(batches),
+                                                     args.context))
             row["build_s"] = round(seconds, 1)
             same, agree = agreement(reference, greedy(artifact))
             row.update(greedy_same=f"{same}/{len(PROMPTS)}", greedy_agree=round(agree, 4))
