@@ -28,7 +28,8 @@ class Target:
     needs_gpu_to_build: bool = False
 
 
-_TORCH_PASSES = ("select_attention", "capture", "quantize_fp8", "lower_quant_torch", "plan_cuda_graphs", "package")
+_TORCH_PASSES = ("select_attention", "capture", "quantize_fp8", "quantize_rtn", "quantize_awq", "quantize_gptq",
+                 "lower_quant_torch", "plan_cuda_graphs", "package")
 TARGETS: dict[tuple[str, str], Target] = {
     ("onnxruntime", "cpu"): Target("onnxruntime", "cpu", ("float32",)),
     ("onnxruntime", "cuda"): Target("onnxruntime", "cuda", ("float16",)),

@@ -408,8 +408,10 @@ def pass_changes(entry: dict[str, Any]) -> str:
                      + (f", float: {', '.join(kept)}" if kept else ""))
     if st.get("matmulnbits_fused"):
         parts.append(f"MatMulNBits x{st['matmulnbits_fused']}")
-    if st.get("fp8_linears"):
-        parts.append(f"FP8 Linears x{st['fp8_linears']} ({st.get('weight_bytes', 0):,} of "
+    linears = [f"{label} Linears x{st[key]}" for key, label in (("fp8_linears", "FP8"), ("int4_linears", "INT4"))
+               if st.get(key)]
+    if linears:
+        parts.append(f"{', '.join(linears)} ({st.get('weight_bytes', 0):,} of "
                      f"{st.get('float_weight_bytes', 0):,} weight bytes)")
     if st.get("activation_qdq_pairs"):
         parts.append(f"activation Q/DQ x{st['activation_qdq_pairs']}")

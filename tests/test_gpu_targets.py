@@ -110,6 +110,15 @@ def test_triton_kernel_matches_the_reference_in_the_interpreter() -> None:
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install '.[dev]' installs it)")
+def test_int4_matmul_kernel_matches_the_reference_in_the_interpreter() -> None:
+    """Hypothesis cases through optimize::int4_linear (0/1/3/16/17/70 rows, any N and K including odd K and a
+    last group cut short, groups 16-128, bias or not, float32/float16): the Triton INT4 kernel in Triton's
+    interpreter against runtime.kernels.int4_matmul_reference; every case went through the kernel."""
+    out = json.loads(_interpreted("int4").strip().splitlines()[-1])
+    assert out["int4"] == "ok" and out["kernel_calls"] >= 40
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install '.[dev]' installs it)")
 def test_triton_variant_artifact_runs_the_kernel_and_matches_transformers(
         torch_cuda_artifact: tuple[Path, Path]) -> None:
     """The torch/cuda artifact's program on CPU with its attention op running the Triton kernel (in the

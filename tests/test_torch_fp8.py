@@ -71,7 +71,7 @@ def test_torch_fp8_program_matches_the_onnx_fp8_artifact(tmp_path: Path, activat
         assert abs(manifest["quality"]["metrics"]["perplexity"] / ref - 1) < 1e-3
 
 
-def test_torch_targets_lower_fp8_only(tmp_path: Path) -> None:
+def test_torch_quantization_needs_lower_quant_torch(tmp_path: Path) -> None:
     recipe = write_recipe(tmp_path, DEMO_MODEL, backend="torch", extra=CALIBRATION, passes=(
         "  - name: capture\n" + _fp8("static") + "  - name: package\n"))
     with pytest.raises(RecipeError, match="needs 'lower_quant_torch' later in the list") as e:

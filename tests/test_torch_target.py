@@ -32,9 +32,10 @@ def test_torch_cpu_artifact_holds_the_program_and_runs(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("passes,field,words", [
     ("  - name: capture\n  - name: lower_onnx\n  - name: package\n", "passes[1].name",
-     ["'lower_onnx' does not apply to the torch target", "capture, quantize_fp8, lower_quant_torch, plan_cuda_graphs, package"]),
+     ["'lower_onnx' does not apply to the torch target",
+      "capture, quantize_fp8, quantize_rtn, quantize_awq, quantize_gptq, lower_quant_torch, plan_cuda_graphs, package"]),
     ("  - name: capture\n  - name: quantize_rtn\n  - name: package\n", "passes[1].name",
-     ["'quantize_rtn' does not apply to the torch target"]),
+     ["'quantize_rtn' needs 'lower_quant_torch' later in the list"]),
 ])
 def test_torch_target_refuses_onnx_and_quantization_passes(tmp_path: Path, passes: str, field: str,
                                                            words: list[str]) -> None:

@@ -285,6 +285,10 @@ class LlamaForwardBatchModel(nn.Module):
                 used.add(src)
         if missing:
             raise ValueError(f"checkpoint lacks tensors: {', '.join(missing[:8])}")
+        self.cast(dtype)
+        return sorted(set(weights) - used - {"lm_head.weight"})
+
+    def cast(self, dtype: torch.dtype) -> None:
+        """Parameters to `dtype`; the RoPE frequencies stay float32 (the angles are computed in float32)."""
         self.to(dtype)
         self.inv_freq = self.inv_freq.to(torch.float32)
-        return sorted(set(weights) - used - {"lm_head.weight"})

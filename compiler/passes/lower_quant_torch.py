@@ -1,12 +1,18 @@
-"""Lowering of quantization for the torch targets: FP8 weights into the torch.export program.
+"""Lowering of quantization for the torch targets: FP8 and INT4 weights into the torch.export program.
 
-The torch twin of lower_quant. Every Linear that quantize_fp8 quantized becomes an `Fp8Linear`
-holding the stored form (float8_e4m3fn weight [N, K], float32 scales per channel or per tensor, the
-static input scale) and calling `optimize::fp8_linear` (runtime/backends/torch_ops.py): FP8 tensor
-cores through `torch._scaled_mm` on GPUs that have them, the dequantized product elsewhere. The model
-is then exported again, so the program that ships (and that plan_cuda_graphs checks) holds 1 byte
-per quantized weight. INT4 weights and quantized KV caches are not lowered for torch (refused by
-check_recipe with the reason).
+The torch twin of lower_quant. Every Linear that a weight-quantization pass quantized becomes a module
+holding the stored form and calling a custom op (runtime/backends/torch_ops.py):
+
+- quantize_fp8 -> `Fp8Linear`: float8_e4m3fn weight [N, K], float32 scales per channel or per tensor,
+  the static input scale; `optimize::fp8_linear` (FP8 tensor cores through `torch._scaled_mm` on GPUs
+  that have them, the dequantized product elsewhere).
+- quantize_rtn / quantize_awq / quantize_gptq -> `Int4Linear`: the codes packed two per byte along K
+  (uint8 [N, ceil(K/2)]), float32 scales and uint8 zero points per group; `optimize::int4_linear`
+  (a Triton kernel that dequantizes tile by tile on CUDA, the dequantized product elsewhere).
+
+The model is then exported again, so the program that ships (and that plan_cuda_graphs checks) holds
+1 byte (FP8) or about half a byte (INT4) per quantized weight. Quantized KV caches are not lowered
+for torch (refused by check_recipe with the reason).
 """
 
 from __future__ import annotations
@@ -44,12 +50,39 @@ def fp8_linear_module(q: Any, bias: Any, dtype: Any) -> Any:
     return Fp8Linear()
 
 
+def int4_linear_module(q: Any, bias: Any, dtype: Any) -> Any:
+    """An nn.Module computing the quantized Linear `q` (a QuantizedWeight of scheme int4)."""
+    import torch
+
+    from compiler.quant.int4 import pack_nibbles
+    from runtime.backends import torch_ops
+
+    class Int4Linear(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("weight_packed", torch.from_numpy(pack_nibbles(q.data.codes).copy()))
+            self.register_buffer("weight_scale", torch.from_numpy(q.data.scales.copy()).to(torch.float32))
+            self.register_buffer("weight_zero", torch.from_numpy(q.data.zeros.copy()))
+            self.bias = None if bias is None else torch.nn.Parameter(bias.detach().to(dtype), requires_grad=False)
+            self.group_size = int(q.data.group_size)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch_ops.int4_linear(x, self.weight_packed, self.weight_scale, self.weight_zero,
+                                         self.group_size, self.bias)
+
+    return Int4Linear()
+
+
+WEIGHT_PASSES = ("quantize_fp8", "quantize_rtn", "quantize_awq", "quantize_gptq")
+
+
 class LowerQuantTorchPass(Pass):
-    """FP8-quantized Linears -> Fp8Linear modules (optimize::fp8_linear), then the program is exported again."""
+    """FP8 / INT4 Linears -> Fp8Linear / Int4Linear modules (custom ops); then the program is exported again."""
 
     name: ClassVar[str] = "lower_quant_torch"
     requires = ("capture",)
-    summary = "FP8 Linears -> optimize::fp8_linear (torch._scaled_mm on FP8 GPUs); re-export the program"
+    summary = ("FP8 Linears -> optimize::fp8_linear (torch._scaled_mm on FP8 GPUs), INT4 -> optimize::int4_linear "
+               "(Triton on CUDA); re-export the program")
 
     def check_recipe(self, recipe: Any) -> tuple[str, str] | None:
         if recipe.target.backend != "torch":
@@ -57,11 +90,12 @@ class LowerQuantTorchPass(Pass):
                     "target uses lower_quant (after lower_onnx)")
         names = [p.name for p in recipe.passes]
         for other in names:
-            if other.startswith("quantize_") and other != "quantize_fp8":
-                return ("name", f"{other!r}: the torch targets lower FP8 weights only (quantize_fp8); INT4 and "
-                        "KV-cache quantization are lowered for the ONNX Runtime targets")
-        if "quantize_fp8" not in names[:names.index(self.name)]:
-            return ("name", "lower_quant_torch needs quantize_fp8 earlier in the list")
+            if other.startswith("quantize_") and other not in WEIGHT_PASSES:
+                return ("name", f"{other!r}: the torch targets lower weight quantization only ("
+                        f"{', '.join(WEIGHT_PASSES)}); KV-cache quantization is lowered for the ONNX Runtime targets")
+        if not any(p in WEIGHT_PASSES for p in names[:names.index(self.name)]):
+            return ("name", f"lower_quant_torch needs a weight-quantization pass ({', '.join(WEIGHT_PASSES)}) "
+                    "earlier in the list")
         return None
 
     def run(self, ctx: BuildContext) -> dict[str, Any]:
@@ -72,20 +106,23 @@ class LowerQuantTorchPass(Pass):
         st = ctx.artifacts.get("quant")
         model = ctx.require("model", self.name)
         if st is None or not st.weights:
-            raise BuildError("lower_quant_torch: no quantized weights (quantize_fp8 must run before it)")
+            raise BuildError("lower_quant_torch: no quantized weights (a weight-quantization pass must run before it)")
         dtype = getattr(torch, ctx.recipe.target.dtype)
-        replaced, fp8_bytes, float_bytes = 0, 0, 0
+        replaced = {"fp8_e4m3": 0, "int4": 0}
+        quant_bytes, float_bytes = 0, 0
         for name, q in sorted(st.weights.items()):
-            if q.scheme != "fp8_e4m3" or q.kind != "linear":
-                raise BuildError(f"lower_quant_torch: {name} is {q.scheme} {q.kind}; the torch targets lower FP8 "
+            if q.kind != "linear":
+                raise BuildError(f"lower_quant_torch: {name} is a quantized {q.kind}; the torch targets lower "
                                  "Linear weights only (ignore embeddings: quantize_fp8 ignore: [embed_tokens])")
             path = name.removesuffix(".weight")
             parent_name, _, child = path.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
             old = getattr(parent, child)
-            setattr(parent, child, fp8_linear_module(q, old.bias, dtype))
-            replaced += 1
-            fp8_bytes += q.data.codes.nbytes + q.data.scales.nbytes
+            make = fp8_linear_module if q.scheme == "fp8_e4m3" else int4_linear_module
+            new = make(q, old.bias, dtype)
+            setattr(parent, child, new)
+            replaced[q.scheme] += 1
+            quant_bytes += sum(b.numel() * b.element_size() for b in new.buffers())
             float_bytes += old.weight.numel() * old.weight.element_size()
         cfg = ctx.checkpoint.config
         try:
@@ -94,7 +131,14 @@ class LowerQuantTorchPass(Pass):
             raise BuildError(f"lower_quant_torch: torch.export failed: {str(e).splitlines()[0]}") from e
         ctx.artifacts["exported"] = exported
         ctx.artifacts["example_inputs"] = args
-        calls = sum(1 for n in exported.graph.nodes if n.op == "call_function" and "fp8_linear" in str(n.target))
-        log.info("lower_quant_torch: %d Linears in FP8 (%d op calls in the program)", replaced, calls)
-        return {"fp8_linears": replaced, "fp8_linear_calls": calls, "weight_bytes": fp8_bytes,
-                "float_weight_bytes": float_bytes, "graph_nodes": len(exported.graph.nodes)}
+        def calls(op: str) -> int:
+            return sum(1 for n in exported.graph.nodes if n.op == "call_function" and op in str(n.target))
+
+        stats: dict[str, Any] = {}
+        if replaced["fp8_e4m3"]:
+            stats |= {"fp8_linears": replaced["fp8_e4m3"], "fp8_linear_calls": calls("fp8_linear")}
+        if replaced["int4"]:
+            stats |= {"int4_linears": replaced["int4"], "int4_linear_calls": calls("int4_linear")}
+        log.info("lower_quant_torch: %d FP8 and %d INT4 Linears", replaced["fp8_e4m3"], replaced["int4"])
+        return {**stats, "weight_bytes": quant_bytes, "float_weight_bytes": float_bytes,
+                "graph_nodes": len(exported.graph.nodes)}

@@ -64,7 +64,7 @@ class QuantizeAwqPass(Int4WeightSizes, Pass):
         from torch import nn
 
         from compiler.quant import awq, int4
-        from compiler.quant.calibration import LayerRunner, load_calibration
+        from compiler.quant.calibration import LayerRunner, float32_search, load_calibration
         from compiler.quant.state import (
             QuantizedWeight,
             begin,
@@ -79,67 +79,68 @@ class QuantizeAwqPass(Int4WeightSizes, Pass):
 
         c = self.config
         model = begin(ctx, self.name)
-        st = quant_state(ctx)
-        targets = target_linears(model, c.ignore)
-        cal = load_calibration(ctx, self.name)
-        runner = LayerRunner(model, cal.samples)
-        bar, task = progress_task(ctx, "awq", len(model.layers))
-        ratios: dict[str, float] = {}
-        skipped_groups: dict[str, str] = {}
-        clipped = 0
-        for i, layer in enumerate(model.layers):
-            prefix = f"layers.{i}"
-            mods = {n: m for n, m in layer.named_modules() if n in {x for g in LLAMA_SCALE_GROUPS for x in g[2]}}
-            inputs = runner.capture(i, {g[2][0]: mods[g[2][0]] for g in LLAMA_SCALE_GROUPS})
-            next_hidden = runner.outputs(i)  # the unquantized layer's output feeds the next layer
-            for gname, prev_name, consumers, block_name in LLAMA_SCALE_GROUPS:
-                linears = [mods[n] for n in consumers]
-                prev = layer.get_submodule(prev_name)
-                tie = None
-                if isinstance(prev, nn.Linear) and prev.out_features != linears[0].in_features:
-                    tie = self._gqa_tie(layer, prev_name, consumers[0])
-                    if tie is None:
-                        skipped_groups[f"{prefix}.{gname}"] = (
-                            f"no scaling: {prev_name} has {prev.out_features} outputs, {consumers[0]} "
-                            f"{linears[0].in_features} inputs")
+        with float32_search(model):  # searches in float32 on the target's weights
+            st = quant_state(ctx)
+            targets = target_linears(model, c.ignore)
+            cal = load_calibration(ctx, self.name)
+            runner = LayerRunner(model, cal.samples)
+            bar, task = progress_task(ctx, "awq", len(model.layers))
+            ratios: dict[str, float] = {}
+            skipped_groups: dict[str, str] = {}
+            clipped = 0
+            for i, layer in enumerate(model.layers):
+                prefix = f"layers.{i}"
+                mods = {n: m for n, m in layer.named_modules() if n in {x for g in LLAMA_SCALE_GROUPS for x in g[2]}}
+                inputs = runner.capture(i, {g[2][0]: mods[g[2][0]] for g in LLAMA_SCALE_GROUPS})
+                next_hidden = runner.outputs(i)  # the unquantized layer's output feeds the next layer
+                for gname, prev_name, consumers, block_name in LLAMA_SCALE_GROUPS:
+                    linears = [mods[n] for n in consumers]
+                    prev = layer.get_submodule(prev_name)
+                    tie = None
+                    if isinstance(prev, nn.Linear) and prev.out_features != linears[0].in_features:
+                        tie = self._gqa_tie(layer, prev_name, consumers[0])
+                        if tie is None:
+                            skipped_groups[f"{prefix}.{gname}"] = (
+                                f"no scaling: {prev_name} has {prev.out_features} outputs, {consumers[0]} "
+                                f"{linears[0].in_features} inputs")
+                            continue
+                    quantize = [f"{prefix}.{n}" in targets for n in consumers]
+                    if not any(quantize):
                         continue
-                quantize = [f"{prefix}.{n}" in targets for n in consumers]
-                if not any(quantize):
-                    continue
-                group = awq.ScaleGroup(f"{prefix}.{gname}", prev, linears, quantize, inputs[consumers[0]],
-                                       self._block(runner, layer, block_name), tie)
-                s, ratio, _ = awq.search_scale(group, c.group_size, c.n_grid, c.duo_scaling)
-                awq.apply_scale(group, s)
-                ratios[group.name] = ratio
-            for _gname, _prev, consumers, _block in LLAMA_SCALE_GROUPS:
-                for n in consumers:
-                    full = f"{prefix}.{n}"
-                    if full not in targets:
-                        continue
-                    lin = mods[n]
-                    max_val = None
-                    if c.clip and not matches(full, c.clip_skip):
-                        max_val = awq.search_clip(lin.weight, inputs[consumers[0]], c.group_size, c.n_grid,
-                                                  c.max_shrink, c.clip_tokens)
-                        clipped += 1
-                    q = int4.quantize_rtn(lin.weight, c.group_size, max_val)
+                    group = awq.ScaleGroup(f"{prefix}.{gname}", prev, linears, quantize, inputs[consumers[0]],
+                                           self._block(runner, layer, block_name), tie)
+                    s, ratio, _ = awq.search_scale(group, c.group_size, c.n_grid, c.duo_scaling)
+                    awq.apply_scale(group, s)
+                    ratios[group.name] = ratio
+                for _gname, _prev, consumers, _block in LLAMA_SCALE_GROUPS:
+                    for n in consumers:
+                        full = f"{prefix}.{n}"
+                        if full not in targets:
+                            continue
+                        lin = mods[n]
+                        max_val = None
+                        if c.clip and not matches(full, c.clip_skip):
+                            max_val = awq.search_clip(lin.weight, inputs[consumers[0]], c.group_size, c.n_grid,
+                                                      c.max_shrink, c.clip_tokens)
+                            clipped += 1
+                        q = int4.quantize_rtn(lin.weight, c.group_size, max_val)
+                        write_weight(lin, q.dequantize())
+                        st.weights[f"{full}.weight"] = QuantizedWeight(f"{full}.weight", "awq", q)
+                runner.hidden = next_hidden
+                if bar is not None:
+                    bar.advance(task)
+            progress_done(bar, task)
+            # Linears outside the decoder layers' groups (an un-ignored lm_head): round to nearest
+            for name, lin in targets.items():
+                if f"{name}.weight" not in st.weights:
+                    q = int4.quantize_rtn(lin.weight, c.group_size)
                     write_weight(lin, q.dequantize())
-                    st.weights[f"{full}.weight"] = QuantizedWeight(f"{full}.weight", "awq", q)
-            runner.hidden = next_hidden
-            if bar is not None:
-                bar.advance(task)
-        progress_done(bar, task)
-        # Linears outside the decoder layers' groups (an un-ignored lm_head): round to nearest
-        for name, lin in targets.items():
-            if f"{name}.weight" not in st.weights:
-                q = int4.quantize_rtn(lin.weight, c.group_size)
-                write_weight(lin, q.dequantize())
-                st.weights[f"{name}.weight"] = QuantizedWeight(f"{name}.weight", "rtn", q)
-        st.weight_method = self.name
-        return {"method": "awq", "bits": 4, "group_size": c.group_size, "symmetric": False,
-                "calibration": cal.record, "scale_ratios": dict(sorted(ratios.items())),
-                "scale_groups_skipped": dict(sorted(skipped_groups.items())), "clipped_linears": clipped,
-                **stats_for(st, model, skipped_modules(model, st.weights, c.ignore))}
+                    st.weights[f"{name}.weight"] = QuantizedWeight(f"{name}.weight", "rtn", q)
+            st.weight_method = self.name
+            return {"method": "awq", "bits": 4, "group_size": c.group_size, "symmetric": False,
+                    "calibration": cal.record, "scale_ratios": dict(sorted(ratios.items())),
+                    "scale_groups_skipped": dict(sorted(skipped_groups.items())), "clipped_linears": clipped,
+                    **stats_for(st, model, skipped_modules(model, st.weights, c.ignore))}
 
     @staticmethod
     def _gqa_tie(layer: Any, prev_name: str, consumer: str) -> Any:

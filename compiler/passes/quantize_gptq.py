@@ -59,7 +59,7 @@ class QuantizeGptqPass(Int4WeightSizes, Pass):
 
     def run(self, ctx: BuildContext) -> dict[str, Any]:
         from compiler.quant import gptq, int4
-        from compiler.quant.calibration import LayerRunner, load_calibration
+        from compiler.quant.calibration import LayerRunner, float32_search, load_calibration
         from compiler.quant.state import (
             QuantizedWeight,
             begin,
@@ -75,43 +75,44 @@ class QuantizeGptqPass(Int4WeightSizes, Pass):
 
         c = self.config
         model = begin(ctx, self.name)
-        st = quant_state(ctx)
-        targets = target_linears(model, c.ignore)
-        cal = load_calibration(ctx, self.name)
-        runner = LayerRunner(model, cal.samples)
-        bar, task = progress_task(ctx, "gptq", len(model.layers))
-        losses: dict[str, float] = {}
-        for i, layer in enumerate(model.layers):
-            prefix = f"layers.{i}"
-            mine = layer_linears(layer, prefix, targets)
-            steps = [[f"{prefix}.{n}" for n in step if f"{prefix}.{n}" in mine] for step in LLAMA_SEQUENTIAL]
-            rest = [n for n in mine if not any(n in s for s in steps)]
-            steps = [s for s in steps if s] + ([rest] if rest else [])
-            if not c.true_sequential:
-                steps = [[n for s in steps for n in s]]
-            for step in steps:
-                hess = {n: gptq.Hessian(mine[n].in_features) for n in step}
-                runner.capture(i, {n: mine[n] for n in step}, sink=lambda n, x, hess=hess: hess[n].add(x))
-                for n in step:
-                    try:
-                        q, loss = gptq.gptq_quantize(mine[n].weight, hess[n].value(), c.group_size, c.damp,
-                                                     c.act_order, c.block_size, c.symmetric)
-                    except ValueError as e:
-                        raise BuildError(f"quantize_gptq: {n}: {e}") from e
-                    write_weight(mine[n], q.dequantize())
-                    st.weights[f"{n}.weight"] = QuantizedWeight(f"{n}.weight", "gptq", q)
-                    losses[n] = loss
-            runner.advance(i)  # the quantized layer's output feeds the next layer
-            if bar is not None:
-                bar.advance(task)
-        progress_done(bar, task)
-        for name, lin in targets.items():  # Linears outside the decoder layers (an un-ignored lm_head)
-            if f"{name}.weight" not in st.weights:
-                q = int4.quantize_rtn(lin.weight, c.group_size, symmetric=c.symmetric)
-                write_weight(lin, q.dequantize())
-                st.weights[f"{name}.weight"] = QuantizedWeight(f"{name}.weight", "rtn", q)
-        st.weight_method = self.name
-        return {"method": "gptq", "bits": 4, "group_size": c.group_size, "symmetric": c.symmetric,
-                "damp": c.damp, "act_order": c.act_order, "calibration": cal.record,
-                "reconstruction_loss": {k: float(f"{v:.6g}") for k, v in sorted(losses.items())},
-                **stats_for(st, model, skipped_modules(model, st.weights, c.ignore))}
+        with float32_search(model):  # searches in float32 on the target's weights
+            st = quant_state(ctx)
+            targets = target_linears(model, c.ignore)
+            cal = load_calibration(ctx, self.name)
+            runner = LayerRunner(model, cal.samples)
+            bar, task = progress_task(ctx, "gptq", len(model.layers))
+            losses: dict[str, float] = {}
+            for i, layer in enumerate(model.layers):
+                prefix = f"layers.{i}"
+                mine = layer_linears(layer, prefix, targets)
+                steps = [[f"{prefix}.{n}" for n in step if f"{prefix}.{n}" in mine] for step in LLAMA_SEQUENTIAL]
+                rest = [n for n in mine if not any(n in s for s in steps)]
+                steps = [s for s in steps if s] + ([rest] if rest else [])
+                if not c.true_sequential:
+                    steps = [[n for s in steps for n in s]]
+                for step in steps:
+                    hess = {n: gptq.Hessian(mine[n].in_features) for n in step}
+                    runner.capture(i, {n: mine[n] for n in step}, sink=lambda n, x, hess=hess: hess[n].add(x))
+                    for n in step:
+                        try:
+                            q, loss = gptq.gptq_quantize(mine[n].weight, hess[n].value(), c.group_size, c.damp,
+                                                         c.act_order, c.block_size, c.symmetric)
+                        except ValueError as e:
+                            raise BuildError(f"quantize_gptq: {n}: {e}") from e
+                        write_weight(mine[n], q.dequantize())
+                        st.weights[f"{n}.weight"] = QuantizedWeight(f"{n}.weight", "gptq", q)
+                        losses[n] = loss
+                runner.advance(i)  # the quantized layer's output feeds the next layer
+                if bar is not None:
+                    bar.advance(task)
+            progress_done(bar, task)
+            for name, lin in targets.items():  # Linears outside the decoder layers (an un-ignored lm_head)
+                if f"{name}.weight" not in st.weights:
+                    q = int4.quantize_rtn(lin.weight, c.group_size, symmetric=c.symmetric)
+                    write_weight(lin, q.dequantize())
+                    st.weights[f"{name}.weight"] = QuantizedWeight(f"{name}.weight", "rtn", q)
+            st.weight_method = self.name
+            return {"method": "gptq", "bits": 4, "group_size": c.group_size, "symmetric": c.symmetric,
+                    "damp": c.damp, "act_order": c.act_order, "calibration": cal.record,
+                    "reconstruction_loss": {k: float(f"{v:.6g}") for k, v in sorted(losses.items())},
+                    **stats_for(st, model, skipped_modules(model, st.weights, c.ignore))}

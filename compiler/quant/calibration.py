@@ -8,14 +8,17 @@ drawn without replacement by `numpy.random.default_rng(seed)` and kept in file o
 `LayerRunner` pushes the samples through the decoder one layer at a time (the ForwardBatch
 forward of compiler/models/llama.py, each sample a sequence of its own, no past), so peak memory
 is the model plus one layer's activations over the calibration tokens; hooks on a layer's Linear
-modules capture what each sees.
+modules capture what each sees. It runs the layers in the model's dtype (FP8 activation scales of a
+float16 target are measured on float16 activations); the INT4 searches (AWQ, GPTQ) run inside
+`float32_search`, in float32 on the target's (rounded) weights.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,6 +36,22 @@ def _error(message: str) -> Exception:
     from compiler.passes.base import BuildError
 
     return BuildError(message)
+
+
+@contextmanager
+def float32_search(model: Any) -> Iterator[None]:
+    """The model in float32 for the duration (a float16/bfloat16 target's weights, upcast exactly), then
+    back to its dtype: AWQ's scale search and GPTQ's updates compare and accumulate in float32, and
+    the weights they write are rounded to the target dtype once, at the end."""
+    dtype = model.embed_tokens.weight.dtype
+    if dtype == torch.float32:
+        yield
+        return
+    model.cast(torch.float32)
+    try:
+        yield
+    finally:
+        model.cast(dtype)
 
 
 @dataclass(frozen=True)

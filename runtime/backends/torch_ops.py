@@ -11,6 +11,12 @@ through `torch._scaled_mm` (row-wise scales: the input's per row, the weight's p
 float32 accumulation; elsewhere the weight is dequantized and the product runs in x's dtype on the
 fake-quantized input: the same arithmetic up to accumulation order.
 
+`optimize::int4_linear(x, packed, scales, zeros, group_size, bias)`: y = x W^T + b with W in INT4
+(runtime/kernels/int4_matmul.py: codes packed two per byte along K, float32 scales and uint8 zero
+points per group of `group_size` input columns). On CUDA tensors with triton installed the Triton
+kernel (dequantized tile by tile in registers); elsewhere the reference, which dequantizes W and runs
+one matmul in x's dtype, or the same Triton kernel in the interpreter under TRITON_INTERPRET=1.
+
 `optimize::paged_attention_triton(q, k, v, k_cache, v_cache, cu_seqlens, past_lens, block_table, num_heads,
 kv_heads, head_dim, block_size, window, scale)`: the `triton` attention variant (runtime/kernels/
 paged_attention.py). On CUDA tensors the Triton kernel, which reads the pools through the block table
@@ -25,6 +31,7 @@ import os
 
 import torch
 
+from runtime.kernels.int4_matmul import int4_matmul_reference, int4_matmul_triton
 from runtime.kernels.paged_attention import (
     paged_attention_reference,
     paged_attention_triton,
@@ -80,13 +87,37 @@ def _(x, weight, weight_scale, input_scale, bias, act):  # noqa: ANN001, ANN202
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1" and triton_available()
+
+
+@torch.library.custom_op("optimize::int4_linear", mutates_args=())
+def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                group_size: int, bias: torch.Tensor | None) -> torch.Tensor:
+    matmul = int4_matmul_triton if _interpreted() else int4_matmul_reference
+    out = matmul(x, packed, scales, zeros, group_size)
+    return out if bias is None else out + bias
+
+
+@int4_linear.register_kernel("cuda")
+def _(x, packed, scales, zeros, group_size, bias):  # noqa: ANN001, ANN202
+    matmul = int4_matmul_triton if triton_available() else int4_matmul_reference
+    out = matmul(x, packed, scales, zeros, group_size)
+    return out if bias is None else out + bias
+
+
+@int4_linear.register_fake
+def _(x, packed, scales, zeros, group_size, bias):  # noqa: ANN001, ANN202
+    return x.new_empty((*x.shape[:-1], packed.shape[0]))
+
+
 @torch.library.custom_op("optimize::paged_attention_triton", mutates_args=())
 def paged_attention_triton_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                               v_cache: torch.Tensor, cu_seqlens: torch.Tensor, past_lens: torch.Tensor,
                               block_table: torch.Tensor, num_heads: int, kv_heads: int, head_dim: int,
                               block_size: int, window: int, scale: float) -> torch.Tensor:
     args = (q, k, v, k_cache, v_cache, cu_seqlens, past_lens, block_table, num_heads, kv_heads, window, scale)
-    if os.environ.get("TRITON_INTERPRET") == "1" and triton_available():
+    if _interpreted():
         return paged_attention_triton(*args)
     return paged_attention_reference(*args)
 
@@ -104,4 +135,4 @@ def _(q, k, v, k_cache, v_cache, cu_seqlens, past_lens, block_table, num_heads, 
     return q.new_empty(q.shape)
 
 
-__all__ = ["ACT_DYNAMIC", "ACT_NONE", "ACT_STATIC", "fp8_linear", "paged_attention_triton_op"]
+__all__ = ["ACT_DYNAMIC", "ACT_NONE", "ACT_STATIC", "fp8_linear", "int4_linear", "paged_attention_triton_op"]

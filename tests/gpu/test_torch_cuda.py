@@ -1,7 +1,7 @@
 """torch/cuda on a GPU: the artifact moved to the device, one CUDA graph per decode bucket captured at
 load and replayed, greedy tokens equal to transformers (float32) and to the eager path, with the
-Triton paged-attention kernel and with the decomposed attention; the Triton kernel compiled for the GPU
-against the PyTorch reference. Skips with the reason where this machine cannot run the target
+Triton paged-attention kernel and with the decomposed attention; the Triton kernels (paged attention,
+INT4 matmul) compiled for the GPU against their PyTorch references; FP8 and INT4 programs against CPU. Skips with the reason where this machine cannot run the target
 (runtime/gpu.py)."""
 
 from __future__ import annotations
@@ -43,6 +43,21 @@ def test_triton_kernel_on_the_gpu_matches_the_reference() -> None:
     check()
 
 
+def test_int4_kernel_on_the_gpu_matches_the_reference() -> None:
+    """The INT4 hypothesis cases of tests/triton_interpreted.py through optimize::int4_linear on CUDA tensors
+    (the kernel compiled for this GPU)."""
+    from hypothesis import given, settings
+    from triton_interpreted import int4_cases, run_int4_case
+
+    @settings(max_examples=40, deadline=None, derandomize=True)
+    @given(int4_cases())
+    def check(c: dict) -> None:
+        err = run_int4_case(c, device="cuda")
+        assert err <= (1e-5 if c["dtype"] == "float32" else 2e-3), (err, c)
+
+    check()
+
+
 def test_cuda_graphs_replay_and_match_transformers(artifact: tuple[Path, Path]) -> None:
     path, ckpt = artifact
     prompts = prompts_of([5, 17, 33, 9, 12], seed=3)
@@ -76,3 +91,29 @@ def test_fp8_linears_run_on_the_gpu_and_agree_with_cpu(tmp_path: Path) -> None:
     tol = 5e-2 if torch.cuda.get_device_capability() >= (8, 9) else 1e-3  # _scaled_mm returns bfloat16
     np.testing.assert_allclose(gpu, cpu, rtol=tol, atol=tol)
     assert (gpu.argmax(-1) == cpu.argmax(-1)).mean() > 0.9
+
+
+def test_int4_linears_run_on_the_gpu_and_agree_with_cpu(tmp_path: Path) -> None:
+    """INT4 (GPTQ, group 32) in a float16 program with CUDA graphs: the Triton kernel on the GPU against
+    the same program on CPU (dequantized product), and greedy tokens with graphs equal to without."""
+    import numpy as np
+    from conftest import DEMO_MODEL
+    from test_torch_fp8 import _batch
+
+    ckpt = make_random_checkpoint(tmp_path / "ckpt", "LlamaForCausalLM", seed=7)
+    extra = f"calibration:\n  data: {DEMO_MODEL / 'calib.txt'}\n  num_samples: 4\n  seq_len: 128\n"
+    passes = ("  - name: select_attention\n  - name: capture\n  - name: quantize_gptq\n    options:\n"
+              "      group_size: 32\n      ignore: [lm_head]\n  - name: lower_quant_torch\n"
+              "  - name: plan_cuda_graphs\n  - name: package\n")
+    path = build(write_recipe(tmp_path, ckpt, passes=passes, backend="torch", device="cuda", dtype="float16",
+                              extra=extra), progress=False)
+    fb = _batch()
+    gpu = LLMEngine(path).backend.forward(fb)
+    cpu = LLMEngine(path, device="cpu").backend.forward(fb)
+    np.testing.assert_allclose(gpu, cpu, rtol=2e-2, atol=2e-2)
+    assert (gpu.argmax(-1) == cpu.argmax(-1)).mean() > 0.9
+    prompts = prompts_of([5, 17, 33], seed=4)
+    graphs = LLMEngine(path)
+    got = staggered_greedy(graphs, prompts, [0, 1, 3], 12)
+    assert graphs.backend.graph_replays > 5
+    assert staggered_greedy(LLMEngine(path, graphs="off"), prompts, [0, 1, 3], 12) == got
