@@ -210,14 +210,22 @@ def test_missing_for_names_what_each_gpu_target_lacks() -> None:
     assert here.has_gpu == (here.driver is None)
 
 
-def test_onnxruntime_cuda_int4_lowers_to_float16_matmulnbits(tmp_path: Path) -> None:
-    import onnx
-
-    ckpt = make_random_checkpoint(tmp_path / "ckpt", "LlamaForCausalLM", seed=9)
+@pytest.fixture(scope="module")
+def ort_cuda_int4(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random Llama for onnxruntime/cuda, float16, INT4 (RTN, group 32), fused but for the rotary rule
+    (the rotary test below applies it to this graph)."""
+    tmp = tmp_path_factory.mktemp("ort-cuda-int4")
+    ckpt = make_random_checkpoint(tmp / "ckpt", "LlamaForCausalLM", seed=9)
     passes = ("  - name: select_attention\n  - name: capture\n  - name: quantize_rtn\n    options:\n"
               "      group_size: 32\n      ignore: [lm_head]\n  - name: lower_onnx\n  - name: lower_quant\n"
-              "  - name: fuse\n  - name: package\n")
-    artifact = build(write_recipe(tmp_path, ckpt, passes=passes, device="cuda", dtype="float16"), progress=False)
+              "  - name: fuse\n    options:\n      disable: [rotary]\n  - name: package\n")
+    return build(write_recipe(tmp, ckpt, passes=passes, device="cuda", dtype="float16"), progress=False)
+
+
+def test_onnxruntime_cuda_int4_lowers_to_float16_matmulnbits(ort_cuda_int4: Path) -> None:
+    import onnx
+
+    artifact = ort_cuda_int4
     model = onnx.load(str(artifact / "model.onnx"))
     types = {t.name: t.data_type for t in model.graph.initializer}
     nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
@@ -225,3 +233,57 @@ def test_onnxruntime_cuda_int4_lowers_to_float16_matmulnbits(tmp_path: Path) -> 
     assert len(nbits) == 8 and all(types[n.input[2]] == onnx.TensorProto.FLOAT16 for n in nbits)
     assert sum(n.op_type == "PagedAttention" for n in model.graph.node) == 2
     assert model.graph.output[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT  # logits
+
+
+def test_float16_rotary_fuses_with_float16_caches_and_rotates_as_the_unfused_nodes(ort_cuda_int4: Path) -> None:
+    """A float16 graph (onnxruntime/cuda) casts cos/sin to float16 before the product: the rule follows
+    the Cast, and the caches hold the float32 values cast the same way (RotaryEmbedding takes caches
+    of its input's type). On ONNX Runtime CPU the fused float16 rotation equals the unfused
+    nodes' result, for q and k of every layer, at positions across the whole cache."""
+    import copy
+
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+    from onnx import numpy_helper
+    from onnx.utils import Extractor
+
+    from compiler.fusion import fuse_model
+
+    unfused = onnx.shape_inference.infer_shapes(onnx.load(str(ort_cuda_int4 / "model.onnx")))
+    fused, stats = fuse_model(copy.deepcopy(unfused), ["rotary"], rope_cache_rows=512)  # edits in place
+    assert stats["fusions"]["rotary"] == 4 and "not_fused" not in stats, stats  # q, k x 2 layers
+    inits = {t.name: t for t in fused.graph.initializer}
+    rot = [n for n in fused.graph.node if n.op_type == "RotaryEmbedding"]
+    # the unfused graph's own float16 cos/sin, evaluated by ONNX Runtime at every cache row
+    casts = {n.input[0]: n.output[0] for n in unfused.graph.node if n.op_type == "Cast"}
+    trig = {n.op_type: casts[n.output[0]] for n in unfused.graph.node if n.op_type in ("Cos", "Sin")}
+    sub = Extractor(unfused).extract_model(["positions"], [trig["Cos"], trig["Sin"]])
+    sess = ort.InferenceSession(sub.SerializeToString(), providers=["CPUExecutionProvider"])
+    graph_cos, graph_sin = sess.run(None, {"positions": np.arange(512, dtype=np.int64)})
+    for node in rot:
+        for name, ref in ((node.input[2], graph_cos), (node.input[3], graph_sin)):
+            cache = numpy_helper.to_array(inits[name])
+            assert cache.dtype == np.float16 and cache.shape == (512, 8) == ref.shape[:1] + (ref.shape[-1] // 2,)
+            # equal up to one float16 step (ONNX Runtime's and torch's float32 cos may differ in the last bit)
+            assert np.abs(cache.astype(np.float32) - ref[:, :8].astype(np.float32)).max() <= 2.0 ** -10, name
+    producers = {o: n for n in fused.graph.node for o in n.output}
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for n in fused.graph.node:
+        for x in n.input:
+            consumers.setdefault(x, []).append(n)
+    fused = onnx.shape_inference.infer_shapes(fused)
+    rng = np.random.default_rng(0)
+    positions = rng.permutation(512)[:61].astype(np.int64)
+    for node in rot:
+        x = producers[node.input[0]].input[0]
+        out = consumers[node.output[0]][0].output[0]  # the Add the rule replaced keeps its name
+        heads = next(a.i for a in node.attribute if a.name == "num_heads")
+        xs = rng.standard_normal((len(positions), heads, 16)).astype(np.float16)
+        results = []
+        for model in (unfused, fused):
+            sub = Extractor(model).extract_model([x, "positions"], [out])
+            sess = ort.InferenceSession(sub.SerializeToString(), providers=["CPUExecutionProvider"])
+            results.append(sess.run(None, {x: xs, "positions": positions})[0])
+        assert results[1].dtype == np.float16
+        np.testing.assert_allclose(results[1].astype(np.float32), results[0].astype(np.float32), rtol=0, atol=2e-3)
