@@ -131,6 +131,7 @@ class LowerQuantTorchPass(Pass):
             raise BuildError(f"lower_quant_torch: torch.export failed: {str(e).splitlines()[0]}") from e
         ctx.artifacts["exported"] = exported
         ctx.artifacts["example_inputs"] = args
+
         def calls(op: str) -> int:
             return sum(1 for n in exported.graph.nodes if n.op == "call_function" and op in str(n.target))
 
