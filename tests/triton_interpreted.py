@@ -83,10 +83,13 @@ def check_kernel(c: dict) -> None:
 
 
 @st.composite
-def int4_cases(draw: st.DrawFn) -> dict:
+def int4_cases(draw: st.DrawFn, dtypes: tuple[str, ...] = ("float32", "float16")) -> dict:
+    """Shapes and dtypes for the INT4 matmul. bfloat16 only on a GPU: Triton's interpreter computes
+    tl.dot of bfloat16 operands wrongly (products off by ~1e10 on a plain 16 x 16 dot), which the
+    paged-attention kernel, free of tl.dot, does not meet."""
     return {"m": draw(st.sampled_from([0, 1, 3, 16, 17, 70])), "n": draw(st.integers(1, 150)),
             "k": draw(st.integers(1, 200)), "group": draw(st.sampled_from([16, 32, 64, 128])),
-            "bias": draw(st.booleans()), "dtype": draw(st.sampled_from(["float32", "float16"])),
+            "bias": draw(st.booleans()), "dtype": draw(st.sampled_from(list(dtypes))),
             "seed": draw(st.integers(0, 2**31 - 1))}
 
 
