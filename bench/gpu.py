@@ -51,6 +51,7 @@ TARGETS = [  # (label, backend, recipe, dtype, attention kernel forced in select
     ("torch/cuda fp16 + int4 awq weights", "torch", "demo-torch-cuda-int4-awq.yaml", "float16", None),
     ("onnxruntime/cuda fp16", "onnxruntime", "demo-onnxruntime-cuda.yaml", "float16", None),
     ("onnxruntime/cuda fp16 + int4", "onnxruntime", "demo-onnxruntime-cuda-int4.yaml", "float16", None),
+    ("onnxruntime/cuda bf16", "onnxruntime", "demo-onnxruntime-cuda.yaml", "bfloat16", None),
     ("tensorrt fp16", "tensorrt", "demo-tensorrt.yaml", "float16", None),
 ]
 

@@ -32,7 +32,7 @@ _TORCH_PASSES = ("select_attention", "capture", "quantize_fp8", "quantize_rtn", 
                  "lower_quant_torch", "plan_cuda_graphs", "package")
 TARGETS: dict[tuple[str, str], Target] = {
     ("onnxruntime", "cpu"): Target("onnxruntime", "cpu", ("float32",)),
-    ("onnxruntime", "cuda"): Target("onnxruntime", "cuda", ("float16",)),
+    ("onnxruntime", "cuda"): Target("onnxruntime", "cuda", ("float16", "bfloat16")),
     ("torch", "cpu"): Target("torch", "cpu", ("float32",), _TORCH_PASSES, onnx=False),
     ("torch", "cuda"): Target("torch", "cuda", ("float32", "float16", "bfloat16"), _TORCH_PASSES, onnx=False),
     ("tensorrt", "cuda"): Target("tensorrt", "cuda", ("float32", "float16", "bfloat16"), needs_gpu_to_build=True),

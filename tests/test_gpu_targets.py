@@ -178,7 +178,7 @@ def test_onnxruntime_cuda_demo_builds_here_with_paged_attention(tmp_path: Path) 
 
 @pytest.mark.parametrize("backend,device,dtype,words", [
     ("torch", "cpu", "bfloat16", "dtype bfloat16 is not supported for torch/cpu; use float32"),
-    ("onnxruntime", "cuda", "float32", "dtype float32 is not supported for onnxruntime/cuda; use float16"),
+    ("onnxruntime", "cuda", "float32", "dtype float32 is not supported for onnxruntime/cuda; use float16 or bfloat16"),
 ])
 def test_target_dtypes_are_checked(tmp_path: Path, backend: str, device: str, dtype: str, words: str) -> None:
     passes = TORCH_CUDA_PASSES if backend == "torch" else None
@@ -210,38 +210,55 @@ def test_missing_for_names_what_each_gpu_target_lacks() -> None:
     assert here.has_gpu == (here.driver is None)
 
 
-@pytest.fixture(scope="module")
-def ort_cuda_int4(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random Llama for onnxruntime/cuda, float16, INT4 (RTN, group 32), fused but for the rotary rule
-    (the rotary test below applies it to this graph)."""
-    tmp = tmp_path_factory.mktemp("ort-cuda-int4")
+@pytest.fixture(scope="module", params=["float16", "bfloat16"])
+def ort_cuda_int4(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random Llama for onnxruntime/cuda in float16 / bfloat16, INT4 (RTN, group 32), fused but for the
+    rotary rule (the rotary test below applies it to this graph)."""
+    tmp = tmp_path_factory.mktemp(f"ort-cuda-int4-{request.param}")
     ckpt = make_random_checkpoint(tmp / "ckpt", "LlamaForCausalLM", seed=9)
     passes = ("  - name: select_attention\n  - name: capture\n  - name: quantize_rtn\n    options:\n"
               "      group_size: 32\n      ignore: [lm_head]\n  - name: lower_onnx\n  - name: lower_quant\n"
               "  - name: fuse\n    options:\n      disable: [rotary]\n  - name: package\n")
-    return build(write_recipe(tmp, ckpt, passes=passes, device="cuda", dtype="float16"), progress=False)
+    return build(write_recipe(tmp, ckpt, passes=passes, device="cuda", dtype=request.param), progress=False)
 
 
-def test_onnxruntime_cuda_int4_lowers_to_float16_matmulnbits(ort_cuda_int4: Path) -> None:
+def test_onnxruntime_cuda_int4_lowers_to_half_precision_matmulnbits(ort_cuda_int4: Path) -> None:
+    """float16 and bfloat16 graphs: MatMulNBits with scales of the graph's type, PagedAttention over pools of
+    it, and every contrib node valid against ONNX Runtime's registered schema (inputs, attributes, types)."""
     import onnx
 
+    from compiler.attention.schema import validate_node
+
     artifact = ort_cuda_int4
-    model = onnx.load(str(artifact / "model.onnx"))
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    dtype = manifest["target"]["dtype"]
+    elem = {"float16": onnx.TensorProto.FLOAT16, "bfloat16": onnx.TensorProto.BFLOAT16}[dtype]
+    assert json.loads((artifact / "runtime.json").read_text())["kv_cache"]["dtype"] == dtype
+    model = onnx.shape_inference.infer_shapes(onnx.load(str(artifact / "model.onnx")))
     types = {t.name: t.data_type for t in model.graph.initializer}
     nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
     # q/k/v and gate/up fused along N by the fuse pass: 4 per layer (qkv, o, gate_up, down)
-    assert len(nbits) == 8 and all(types[n.input[2]] == onnx.TensorProto.FLOAT16 for n in nbits)
+    assert len(nbits) == 8 and all(types[n.input[2]] == elem for n in nbits)
     assert sum(n.op_type == "PagedAttention" for n in model.graph.node) == 2
+    pools = [i for i in model.graph.input if i.name.endswith("_cache.0") or i.name.endswith("_cache.1")]
+    assert len(pools) == 4 and all(i.type.tensor_type.elem_type == elem for i in pools)
     assert model.graph.output[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT  # logits
+    known = {v.name: v.type.tensor_type.elem_type for v in [*model.graph.input, *model.graph.value_info]}
+    contrib = [n for n in model.graph.node if n.domain == "com.microsoft"]
+    assert {n.op_type for n in contrib} >= {"MatMulNBits", "PagedAttention", "SkipSimplifiedLayerNormalization"}
+    assert [p for n in contrib for p in validate_node(n, {**known, **types})] == []
 
 
-def test_float16_rotary_fuses_with_float16_caches_and_rotates_as_the_unfused_nodes(ort_cuda_int4: Path) -> None:
-    """A float16 graph (onnxruntime/cuda) casts cos/sin to float16 before the product: the rule follows
-    the Cast, and the caches hold the float32 values cast the same way (RotaryEmbedding takes caches
-    of its input's type). On ONNX Runtime CPU the fused float16 rotation equals the unfused
-    nodes' result, for q and k of every layer, at positions across the whole cache."""
+def test_half_precision_rotary_fuses_with_caches_of_its_type_and_rotates_as_the_unfused_nodes(
+        ort_cuda_int4: Path) -> None:
+    """A float16/bfloat16 graph (onnxruntime/cuda) casts cos/sin to its type before the product: the rule
+    follows the Cast, and the caches hold the float32 values cast the same way (RotaryEmbedding takes
+    caches of its input's type). On ONNX Runtime CPU the fused float16 rotation equals the unfused
+    nodes' result, for q and k of every layer, at positions across the whole cache (ONNX Runtime CPU
+    has no bfloat16 Mul for the unfused side: bfloat16 is checked up to the caches)."""
     import copy
 
+    import ml_dtypes
     import numpy as np
     import onnx
     import onnxruntime as ort
@@ -250,23 +267,29 @@ def test_float16_rotary_fuses_with_float16_caches_and_rotates_as_the_unfused_nod
 
     from compiler.fusion import fuse_model
 
+    dtype = json.loads((ort_cuda_int4 / "manifest.json").read_text())["target"]["dtype"]
+    np_dtype = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}[dtype]
     unfused = onnx.shape_inference.infer_shapes(onnx.load(str(ort_cuda_int4 / "model.onnx")))
     fused, stats = fuse_model(copy.deepcopy(unfused), ["rotary"], rope_cache_rows=512)  # edits in place
     assert stats["fusions"]["rotary"] == 4 and "not_fused" not in stats, stats  # q, k x 2 layers
     inits = {t.name: t for t in fused.graph.initializer}
     rot = [n for n in fused.graph.node if n.op_type == "RotaryEmbedding"]
-    # the unfused graph's own float16 cos/sin, evaluated by ONNX Runtime at every cache row
-    casts = {n.input[0]: n.output[0] for n in unfused.graph.node if n.op_type == "Cast"}
-    trig = {n.op_type: casts[n.output[0]] for n in unfused.graph.node if n.op_type in ("Cos", "Sin")}
+    # the unfused graph's own float32 cos/sin, evaluated by ONNX Runtime at every cache row, then cast as
+    # the graph casts them (round to nearest even)
+    trig = {n.op_type: n.output[0] for n in unfused.graph.node if n.op_type in ("Cos", "Sin")}
     sub = Extractor(unfused).extract_model(["positions"], [trig["Cos"], trig["Sin"]])
     sess = ort.InferenceSession(sub.SerializeToString(), providers=["CPUExecutionProvider"])
     graph_cos, graph_sin = sess.run(None, {"positions": np.arange(512, dtype=np.int64)})
+    step = {"float16": 2.0 ** -10, "bfloat16": 2.0 ** -7}[dtype]
     for node in rot:
         for name, ref in ((node.input[2], graph_cos), (node.input[3], graph_sin)):
             cache = numpy_helper.to_array(inits[name])
-            assert cache.dtype == np.float16 and cache.shape == (512, 8) == ref.shape[:1] + (ref.shape[-1] // 2,)
-            # equal up to one float16 step (ONNX Runtime's and torch's float32 cos may differ in the last bit)
-            assert np.abs(cache.astype(np.float32) - ref[:, :8].astype(np.float32)).max() <= 2.0 ** -10, name
+            assert cache.dtype == np_dtype and cache.shape == (512, 8) == ref.shape[:1] + (ref.shape[-1] // 2,)
+            want = ref[:, :8].astype(np_dtype).astype(np.float32)
+            # equal up to one step of the type (ONNX Runtime's and torch's float32 cos may differ in the last bit)
+            assert np.abs(cache.astype(np.float32) - want).max() <= step, name
+    if dtype == "bfloat16":
+        return
     producers = {o: n for n in fused.graph.node for o in n.output}
     consumers: dict[str, list[onnx.NodeProto]] = {}
     for n in fused.graph.node:

@@ -21,7 +21,7 @@ ONNX Runtime's kernel takes 3-D input as [batch, seq, heads * head_size] (4-D wo
 which packed tokens are not). The caches are initializers [rows, d/2] computed as the model computes
 cos/sin (float32 positions * the graph's own inv_freq constant, then cos/sin, in torch float32);
 rows = the artifact's max_model_len (ONNX Runtime refuses a position outside the cache with an
-error, and the engine never schedules a position >= max_model_len). In a float16 graph (onnxruntime/cuda) the
+error, and the engine never schedules a position >= max_model_len). In a float16 or bfloat16 graph (onnxruntime/cuda) the
 model casts cos/sin to the activation dtype (the kernel takes caches of its input's type): the
 caches are then the float32 values cast the same way, so the fused graph multiplies by exactly the
 numbers the unfused one did. The nodes that computed cos/sin in the graph become dead and are removed.
@@ -29,6 +29,7 @@ numbers the unfused one did. The nodes that computed cos/sin in the graph become
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import onnx
 from onnx import TensorProto, helper
@@ -36,9 +37,9 @@ from onnx import TensorProto, helper
 from compiler.fusion.graph import MS_DOMAIN, FusionGraph, RuleReport, attr, const_array, shape_of, tensor
 
 _BIG = 2**31 - 1
-# the activation dtypes of the ONNX targets (onnxruntime/cpu float32, onnxruntime/cuda float16); RotaryEmbedding
-# takes caches of its input's type
-_CACHE_DTYPES = {TensorProto.FLOAT: np.float32, TensorProto.FLOAT16: np.float16}
+# the activation dtypes of the ONNX targets (onnxruntime/cpu float32, onnxruntime/cuda float16 or bfloat16, as
+# ml_dtypes.bfloat16, which onnx's numpy_helper stores); RotaryEmbedding takes caches of its input's type
+_CACHE_DTYPES = {TensorProto.FLOAT: np.float32, TensorProto.FLOAT16: np.float16, TensorProto.BFLOAT16: ml_dtypes.bfloat16}
 
 
 def rope_cache(inv_freq: np.ndarray, rows: int, dtype: int = TensorProto.FLOAT) -> tuple[np.ndarray, np.ndarray]:
@@ -106,7 +107,9 @@ class _Matcher:
             return "cos and sin of different angles"
         x_info = self.g.value_info.get(x)
         x_dtype = x_info.type.tensor_type.elem_type if x_info is not None else None
-        if cos_dtype != sin_dtype or cos_dtype not in _CACHE_DTYPES or (x_dtype is not None and x_dtype != cos_dtype):
+        if cos_dtype not in _CACHE_DTYPES:
+            return f"cos/sin are {TensorProto.DataType.Name(cos_dtype)}: no RotaryEmbedding cache of that type"
+        if cos_dtype != sin_dtype or (x_dtype is not None and x_dtype != cos_dtype):
             return (f"cos/sin are {TensorProto.DataType.Name(cos_dtype)}/{TensorProto.DataType.Name(sin_dtype)} "
                     f"and the input {TensorProto.DataType.Name(x_dtype) if x_dtype else 'of unknown type'}: "
                     "the kernel takes caches of its input's type")

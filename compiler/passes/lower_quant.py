@@ -69,15 +69,15 @@ class LowerQuantPass(Pass):
 
         # the graph's float type: scales and activation constants are stored in it
         dtype = ctx.recipe.target.dtype
-        if dtype not in ("float32", "float16"):
-            raise BuildError(f"lower_quant: {dtype} graphs are not lowered (numpy has no {dtype}); use float16")
-        float_type = np.float32 if dtype == "float32" else np.float16
+        float_type = R.FLOAT_TYPES.get(dtype)
+        if float_type is None:
+            raise BuildError(f"lower_quant: {dtype} graphs are not lowered; use one of {', '.join(R.FLOAT_TYPES)}")
         # 1. the float initializers must hold the torch model's (quantized, AWQ-scaled) values
         synced = 0
         torch_model = ctx.require("model", self.name)
         for pname, p in torch_model.named_parameters():
             init = g.inits.get(pname)
-            value = p.detach().to(getattr(torch, dtype)).contiguous().numpy()
+            value = R.torch_to_numpy(p.detach(), getattr(torch, dtype))
             if init is None or tuple(init.dims) != value.shape:
                 ref = ctx.artifacts.get("reference_model")
                 if ref is not None and not torch.equal(ref.get_parameter(pname), p) and pname not in st.weights:

@@ -146,13 +146,26 @@ class RuleResult:
         self.reasons[what] = why
 
 
-_ONNX_FLOAT = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16}
+# the graph float types lowering stores scales in (numpy has no bfloat16: ml_dtypes', which onnx uses)
+FLOAT_TYPES: dict[str, Any] = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+_ONNX_FLOAT = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16,
+               np.dtype(ml_dtypes.bfloat16): TensorProto.BFLOAT16}
+
+
+def torch_to_numpy(t: Any, dtype: Any) -> np.ndarray:
+    """A torch tensor cast to `dtype` as a numpy array (bfloat16 through its bits, as ml_dtypes.bfloat16)."""
+    import torch
+
+    t = t.to(dtype).contiguous()
+    if dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
 
 
 class WeightToQdq:
     """Quantized weight initializer -> DequantizeLinear from its stored (INT4 / FP8) form.
 
-    `float_type` is the graph's float element type (float32, or float16 for the float16 targets): the
+    `float_type` is the graph's float element type (float32, or float16/bfloat16 for those targets): the
     scales are stored in it, so DequantizeLinear yields what the initializer held."""
 
     def __init__(self, float_type: type = np.float32, signed_int4: bool = False) -> None:

@@ -1,6 +1,6 @@
 """ONNX Runtime CUDA backend: an onnxruntime/cuda artifact on the GPU, KV pools in device memory.
 
-The artifact's graph (float16) runs attention as com.microsoft.PagedAttention over the pools, which
+The artifact's graph (float16 or bfloat16) runs attention as com.microsoft.PagedAttention over the pools, which
 writes this step's K/V into them in place (the op derives each token's slot from past_seqlens,
 cumulative_sequence_length and the block table), so nothing is scattered on the host: the pools
 are OrtValues on the device, bound with I/O binding on every run; the graph's new K/V outputs are
@@ -32,6 +32,9 @@ from runtime.forward_batch import ForwardBatch
 log = logging.getLogger(__name__)
 
 _INDEX_INPUTS = ("input_ids", "positions", "cu_seqlens", "past_lens", "block_table", "logits_index")
+# pool element types for OrtValue allocation: a numpy type, or the ONNX element type for bfloat16 (numpy has
+# none); the host zeros that initialise a pool are 16-bit patterns of 0 in either case
+_POOL_TYPES: dict[str, Any] = {"float16": np.float16, "bfloat16": 16}  # 16 = TensorProto.BFLOAT16
 
 
 class OnnxRuntimeCudaBackend:
@@ -48,20 +51,22 @@ class OnnxRuntimeCudaBackend:
 
         self._ort = ort
         kv_name = read_geometry(self, config, num_blocks)
-        if kv_name != "float16":
-            raise RuntimeError(f"KV cache dtype {kv_name!r}: the ONNX Runtime CUDA backend runs float16 pools")
+        if kv_name not in _POOL_TYPES:
+            raise RuntimeError(f"KV cache dtype {kv_name!r}: the ONNX Runtime CUDA backend runs float16 or bfloat16 "
+                               "pools")
         kernel = manifest.get("kernels", {}).get("attention", {}).get("variant")
         if kernel != "paged_attention":
             raise RuntimeError(f"this artifact's attention is {kernel!r}; the ONNX Runtime CUDA backend needs the "
                                "paged_attention variant (in-place cache writes): rebuild with select_attention")
         self.device_id = device_id
-        self.kv_dtype = np.float16
+        self.kv_dtype = np.float16 if kv_name == "float16" else None  # numpy has no bfloat16
+        self._pool_type = _POOL_TYPES[kv_name]
         shape = (self.num_blocks + 1, self.block_size, self.kv_heads, self.head_dim)  # + the padding block
-        self._k = [ort.OrtValue.ortvalue_from_shape_and_type(shape, np.float16, "cuda", device_id)
+        self._k = [ort.OrtValue.ortvalue_from_shape_and_type(shape, self._pool_type, "cuda", device_id)
                    for _ in range(self.num_layers)]
-        self._v = [ort.OrtValue.ortvalue_from_shape_and_type(shape, np.float16, "cuda", device_id)
+        self._v = [ort.OrtValue.ortvalue_from_shape_and_type(shape, self._pool_type, "cuda", device_id)
                    for _ in range(self.num_layers)]
-        zeros = np.zeros(shape, np.float16)
+        zeros = np.zeros(shape, np.uint16)  # +0.0 in float16 and bfloat16 alike
         for t in self._k + self._v:
             t.update_inplace(zeros)
         self.pad_block = self.num_blocks
@@ -120,7 +125,7 @@ class OnnxRuntimeCudaBackend:
         for src, dst in pairs:
             if not (0 <= src < self.num_blocks and 0 <= dst < self.num_blocks):
                 raise ValueError(f"copy_blocks: block pair ({src}, {dst}) outside the pool of {self.num_blocks}")
-        block_bytes = self.block_size * self.kv_heads * self.head_dim * 2  # float16
+        block_bytes = self.block_size * self.kv_heads * self.head_dim * 2  # float16 / bfloat16
         for src, dst in pairs:
             for pool in self._k + self._v:
                 base = pool.data_ptr()
@@ -169,8 +174,8 @@ class OnnxRuntimeCudaBackend:
             outs = {"logits": ort.OrtValue.ortvalue_from_shape_and_type((b, self.vocab_size), np.float32, "cuda",
                                                                          self.device_id)}
             for name in self.output_names[1:]:
-                outs[name] = ort.OrtValue.ortvalue_from_shape_and_type((b, self.kv_heads, self.head_dim), np.float16,
-                                                                        "cuda", self.device_id)
+                outs[name] = ort.OrtValue.ortvalue_from_shape_and_type((b, self.kv_heads, self.head_dim),
+                                                                        self._pool_type, "cuda", self.device_id)
             for name, v in outs.items():
                 binding.bind_ortvalue_output(name, v)
             run_options = ort.RunOptions()
