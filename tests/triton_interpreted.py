@@ -124,20 +124,28 @@ def check_int4(c: dict) -> None:
     assert err <= tol, f"INT4 kernel differs from the reference by {err} (relative) on {c}"
 
 
-def run_engine(artifact: str) -> dict:
-    from test_parity import prompts_of, staggered_greedy
-
+def count_calls(name: str) -> dict[str, int]:
+    """Wrap the Triton launcher `name` that runtime/backends/torch_ops.py calls (its CPU branch does under
+    TRITON_INTERPRET=1) so that every launch is counted; returns the counter."""
     from runtime.backends import torch_ops
-    from runtime.engine import LLMEngine
 
     calls = {"n": 0}
-    kernel = pa.paged_attention_triton
+    kernel = getattr(torch_ops, name)
 
     def counted(*a: object) -> torch.Tensor:
         calls["n"] += 1
         return kernel(*a)
 
-    torch_ops.paged_attention_triton = counted  # the op's CPU branch calls it under TRITON_INTERPRET=1
+    setattr(torch_ops, name, counted)
+    return calls
+
+
+def run_engine(artifact: str) -> dict:
+    from test_parity import prompts_of, staggered_greedy
+
+    from runtime.engine import LLMEngine
+
+    calls = count_calls("paged_attention_triton")
     engine = LLMEngine(artifact, device="cpu", graphs="padded")
     tokens = staggered_greedy(engine, prompts_of([5, 17, 33, 9, 12], seed=3), [0, 0, 2, 5, 6], 12)
     return {"tokens": tokens, "kernel_calls": calls["n"], "bucket_steps": engine.backend.bucket_steps}
@@ -150,16 +158,7 @@ if __name__ == "__main__":
         check_kernel()
         print("kernel ok")
     elif sys.argv[1] == "int4":
-        calls = {"n": 0}
-        kernel = i4.int4_matmul_triton
-
-        def counted(*a: object) -> torch.Tensor:
-            calls["n"] += 1
-            return kernel(*a)
-
-        from runtime.backends import torch_ops
-
-        torch_ops.int4_matmul_triton = counted  # the op's CPU branch calls it under TRITON_INTERPRET=1
+        calls = count_calls("int4_matmul_triton")
         check_int4()
         print(json.dumps({"int4": "ok", "kernel_calls": calls["n"]}))
     else:
