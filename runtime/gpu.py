@@ -118,6 +118,7 @@ _PACKAGES = {
     "torch": lambda: _version("torch"),
     "torch.cuda": _torch_cuda,
     "triton": lambda: _version("triton"),  # the torch/cuda Triton attention kernel (checked by that backend)
+    "flashinfer": lambda: _version("flashinfer"),  # the torch/cuda `flashinfer` attention variant (optional)
     "onnxruntime": lambda: _version("onnxruntime"),
     "onnxruntime.cuda": _onnxruntime_cuda,
     "tensorrt": lambda: _version("tensorrt"),

@@ -45,7 +45,8 @@ def test_candidates_by_target() -> None:
     assert quant["gqa"].valid and "quantize_kv_cache" in quant["gqa"].reason
     assert not quant["paged_attention"].valid
     torch_target = {c.variant: c.valid for c in candidates(cfg, "torch", "cpu", "float32")}
-    assert torch_target == {"decomposed": True, "gqa": False, "paged_attention": False, "triton": False}
+    assert torch_target == {"decomposed": True, "gqa": False, "paged_attention": False, "triton": False,
+                            "flashinfer": False}
     torch_cuda = {c.variant: c for c in candidates(cfg, "torch", "cuda", "float16")}
     assert torch_cuda["triton"].valid and torch_cuda["decomposed"].valid
     assert "torch targets only" in cpu["triton"].reason and not cuda["triton"].valid
@@ -63,8 +64,9 @@ def test_demo_stats_rule(tmp_path: Path) -> None:
     stats = SelectAttentionPass(SelectAttentionOptions(autotune=False)).run(ctx)
     assert stats["choice"] == "decomposed" and stats["reason"] == "rule" and stats["autotune"] is False
     assert stats["attention_kind"]["heads"] == "GQA"
-    assert [c["variant"] for c in stats["candidates"]] == ["decomposed", "gqa", "paged_attention", "triton"]
-    assert [c["valid"] for c in stats["candidates"]] == [True, True, False, False]
+    assert [c["variant"] for c in stats["candidates"]] == ["decomposed", "gqa", "paged_attention", "triton",
+                                                           "flashinfer"]
+    assert [c["valid"] for c in stats["candidates"]] == [True, True, False, False, False]
     assert ctx.artifacts["attention"]["variant"] == "decomposed"
     json.dumps(stats, sort_keys=True)  # manifest-ready
     # the build driver's --no-autotune flag wins over the recipe's autotune: true

@@ -143,7 +143,8 @@ def test_demo_build_as_in_the_readme_records_passes_kernels_and_timings(tmp_path
     sel = stats["select_attention"]
     assert sel["reason"] == "autotune" and sel["attention_kind"]["heads"] == "GQA"
     assert {c["variant"]: c["valid"] for c in sel["candidates"]} == {"decomposed": True, "gqa": True,
-                                                                      "paged_attention": False, "triton": False}
+                                                                      "paged_attention": False, "triton": False,
+                                                                      "flashinfer": False}
     assert manifest["kernels"]["attention"]["variant"] == sel["choice"]
     assert manifest["cuda_graphs"]["decode_buckets"] == [1, 2, 4, 8, 16]
     tune = json.loads((artifact / "build.json").read_text())["attention_autotune"]

@@ -55,7 +55,7 @@ def test_torch_cuda_artifact_builds_on_cpu_with_a_capturable_plan(torch_cuda_art
     assert json.loads((artifact / "runtime.json").read_text())["device"] == "cuda"
     assert manifest["kernels"]["attention"] == {**KERNELS["triton"], "variant": "triton", "selected_by": "rule"}
     select = next(p["stats"] for p in manifest["passes"] if p["name"] == "select_attention")
-    assert select["autotune"] is False and select["rule"].startswith("torch/cuda: first valid of triton")
+    assert select["autotune"] is False and select["rule"].startswith("torch/cuda: first valid of flashinfer, triton")
     program = torch.export.load(str(artifact / "model.pt2"))
     calls = [n for n in program.graph.nodes if "paged_attention_triton" in str(n.target)]
     assert len(calls) == 2  # one per layer

@@ -343,7 +343,8 @@ def test_attention_candidates_for_tensorrt() -> None:
     for variant, op in (("gqa", "GroupQueryAttention"), ("paged_attention", "PagedAttention")):
         assert not cands[variant].valid
         assert cands[variant].reason.startswith(f"com.microsoft.{op} is an ONNX Runtime contrib op; TensorRT's")
-    assert not cands["triton"].valid and "torch targets only" in cands["triton"].reason
+    for variant in ("triton", "flashinfer"):
+        assert not cands[variant].valid and "torch targets only" in cands[variant].reason
 
 
 def test_staging_layout_aligns_every_array() -> None:

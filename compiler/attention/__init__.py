@@ -12,6 +12,10 @@ Variants (the model definition's `attention=`, compiler/models/llama.py):
 - `triton`: the torch targets on CUDA: the program calls optimize::paged_attention_triton, a Triton
   kernel reading the pools through the block table (runtime/kernels/); on CPU the same op runs the
   per-sequence PyTorch reference (and the Triton kernel in Triton's interpreter under TRITON_INTERPRET=1).
+- `flashinfer`: the torch targets on CUDA: the program calls optimize::paged_attention_flashinfer,
+  FlashInfer's paged kernels over the past and ragged kernels over the step's own K/V, merged by
+  log-sum-exp, planned by the torch backend once per step (runtime/kernels/flashinfer_attention.py);
+  float16/bfloat16, head_dim 64/128/256, no sliding window; flashinfer-python where it is loaded.
 
 `candidates()` says for a model config and target which are valid and, when not, why.
 """
@@ -21,7 +25,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-VARIANTS = ("decomposed", "gqa", "paged_attention", "triton")
+from runtime.kernels import FLASHINFER_HEAD_DIMS
+
+VARIANTS = ("decomposed", "gqa", "paged_attention", "triton", "flashinfer")
 
 KERNELS: dict[str, dict[str, str]] = {
     "decomposed": {
@@ -43,6 +49,11 @@ KERNELS: dict[str, dict[str, str]] = {
         "implementation": "optimize::paged_attention_triton",
         "description": "Triton kernel, one program per (token, KV head): the group's query heads over the past read "
                        "through block_table, then the step's own K/V, online softmax; torch targets on CUDA",
+    },
+    "flashinfer": {
+        "implementation": "optimize::paged_attention_flashinfer",
+        "description": "FlashInfer: the past through the paged (decode) kernels, the step's own K/V through the ragged "
+                       "causal kernel, merged by log-sum-exp; planned once per step on the host; torch targets on CUDA",
     },
 }
 
@@ -98,7 +109,7 @@ def candidates(cfg: Any, backend: str, device: str, dtype: str, pass_names: list
     quant_kv = "quantize_kv_cache" in pass_names
     if cfg.num_heads % cfg.num_kv_heads:
         why = f"num_heads {cfg.num_heads} is not a multiple of num_kv_heads {cfg.num_kv_heads}"
-        return out + [Candidate(v, False, why) for v in ("gqa", "paged_attention", "triton")]
+        return out + [Candidate(v, False, why) for v in ("gqa", "paged_attention", "triton", "flashinfer")]
     if backend == "tensorrt":
         out.append(Candidate("gqa", False, _NOT_FOR_TENSORRT.format(op="GroupQueryAttention")))
     elif backend != "onnxruntime":
@@ -133,12 +144,31 @@ def candidates(cfg: Any, backend: str, device: str, dtype: str, pass_names: list
     else:
         out.append(Candidate("triton", True, f"Triton kernel over the pools through the block table, {dtype}; "
                              "CUDA-graph safe"))
+    out.append(_flashinfer(cfg, backend, device, dtype))
     if backend == "onnxruntime" and device == "cuda":
         # runtime/backends/onnxruntime_cuda.py keeps the pools on the GPU and has PagedAttention write
         # this step's K/V into them in place; the other variants return K/V for a host-side scatter
         out = [c if c.variant == "paged_attention" or not c.valid else Candidate(c.variant, False, _CUDA_POOLS)
                for c in out]
     return out
+
+
+def _flashinfer(cfg: Any, backend: str, device: str, dtype: str) -> Candidate:
+    if backend != "torch":
+        return Candidate("flashinfer", False, "a torch custom op (FlashInfer kernels): torch targets only")
+    if device != "cuda":
+        return Candidate("flashinfer", False, "CUDA kernels: on CPU the op runs the per-sequence PyTorch reference, "
+                         "slower than the decomposed path")
+    if dtype not in ("float16", "bfloat16"):
+        return Candidate("flashinfer", False, f"FlashInfer's kernels take float16/bfloat16, not {dtype}")
+    if cfg.head_dim not in FLASHINFER_HEAD_DIMS:
+        dims = ", ".join(map(str, FLASHINFER_HEAD_DIMS))
+        return Candidate("flashinfer", False, f"FlashInfer's kernels are built for head_dim {dims}, not {cfg.head_dim}")
+    if any(w is not None for w in cfg.sliding_windows):
+        return Candidate("flashinfer", False, "sliding-window layers: the past and the step's own keys are two "
+                         "segments here and a window would span both (the triton variant takes windows)")
+    return Candidate("flashinfer", True, f"FlashInfer over the pools (paged) and the step's K/V (ragged), {dtype}; "
+                     "decode buckets CUDA-graph safe; needs flashinfer-python where the artifact is loaded")
 
 
 __all__ = ["KERNELS", "VARIANTS", "Candidate", "attention_kind", "candidates"]

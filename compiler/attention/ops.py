@@ -11,14 +11,15 @@ Eagerly (torch.export's fake tensors excepted) an op computes `paged_attention_r
 (runtime/kernels/paged_attention.py), a plain per-sequence attention in torch: the quantization
 calibration, the build's quality gate and the tests run it. The ONNX translation of `gqa` and
 `paged_attention` (compiler/attention/lowering.py) is the contrib op of the variant; `triton` has none
-(torch targets only: the program calls optimize::paged_attention_triton, whose CUDA kernel is Triton).
+(torch targets only: the program calls optimize::paged_attention_triton, whose CUDA kernel is Triton);
+nor has `flashinfer` (optimize::paged_attention_flashinfer, FlashInfer's kernels on CUDA).
 """
 
 from __future__ import annotations
 
 import torch
 
-from runtime.backends.torch_ops import paged_attention_triton_op
+from runtime.backends.torch_ops import paged_attention_flashinfer_op, paged_attention_triton_op
 from runtime.kernels.paged_attention import paged_attention_reference
 
 NAMESPACE = "optimize"
@@ -45,4 +46,5 @@ paged_gqa = _define("paged_gqa")  # com.microsoft.GroupQueryAttention (ONNX Runt
 paged_attention = _define("paged_attention")  # com.microsoft.PagedAttention (ONNX Runtime CUDA)
 
 # The torch targets' kernel variant (runtime/backends/torch_ops.py): Triton on CUDA, the reference on CPU.
-OPS = {"gqa": paged_gqa, "paged_attention": paged_attention, "triton": paged_attention_triton_op}
+OPS = {"gqa": paged_gqa, "paged_attention": paged_attention, "triton": paged_attention_triton_op,
+       "flashinfer": paged_attention_flashinfer_op}

@@ -15,7 +15,8 @@ never copies the pool. Weights load from Hugging Face names.
 "decomposed" is the paged attention above in standard ops; "gqa" and "paged_attention" call a
 custom op over the same packed tokens and pools whose ONNX translation is ONNX Runtime's
 GroupQueryAttention or PagedAttention contrib op (q/k norm and RoPE stay in our graph); "triton"
-(torch targets) calls optimize::paged_attention_triton, a Triton kernel on CUDA.
+(torch targets) calls optimize::paged_attention_triton, a Triton kernel on CUDA; "flashinfer" (torch
+targets) calls optimize::paged_attention_flashinfer, FlashInfer's kernels on CUDA.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-ATTENTION_VARIANTS = ("decomposed", "gqa", "paged_attention", "triton")
+ATTENTION_VARIANTS = ("decomposed", "gqa", "paged_attention", "triton", "flashinfer")
 
 
 class Attention(nn.Module):

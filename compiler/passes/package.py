@@ -54,6 +54,7 @@ def runtime_config(ctx: BuildContext) -> dict[str, Any]:
         "model": {
             "architecture": cfg.architecture,
             "num_layers": cfg.num_layers,
+            "num_heads": cfg.num_heads,
             "num_kv_heads": cfg.num_kv_heads,
             "head_dim": cfg.head_dim,
             "vocab_size": cfg.vocab_size,

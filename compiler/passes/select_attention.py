@@ -10,7 +10,8 @@ kind (MHA/GQA/MQA, sliding window, q/k norm) and the target; among the valid one
   wins; a candidate whose logits differ from the decomposed path's is invalid;
 - `kernel: auto` without autotune (`autotune: false`, or the build driver's `no_autotune`), or for a
   target the autotuner cannot time here (it measures through ONNX Runtime on CPU; `TIMED_TARGETS`):
-  the fixed rule table `RULES`, so the build is deterministic.
+  the fixed rule table `RULES`, so the build is deterministic (a variant in `RULE_NEEDS` is taken only
+  where its package is installed on the build machine: FlashInfer for torch/cuda).
 
 The choice goes to ctx.artifacts["attention"] (read by capture and lower_onnx) and the kernel facts
 to ctx.artifacts["attention_kernel"]; the stats (manifest) hold the attention kind, every candidate
@@ -19,6 +20,7 @@ with valid/invalid and why, the choice and the reason; timings go to ctx.build_i
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
@@ -36,8 +38,12 @@ log = logging.getLogger(__name__)
 RULES: dict[tuple[str, str], tuple[str, ...]] = {
     ("onnxruntime", "cpu"): ("decomposed", "gqa"),
     ("onnxruntime", "cuda"): ("paged_attention", "gqa", "decomposed"),
-    ("torch", "cuda"): ("triton", "decomposed"),
+    ("torch", "cuda"): ("flashinfer", "triton", "decomposed"),
 }
+
+# Variants the rule table takes only where their package is installed on the build machine (the machine
+# that builds a GPU target is normally the image that serves it); `kernel: <variant>` forces them anyway.
+RULE_NEEDS = {"flashinfer": "flashinfer"}
 
 # Targets whose candidates the autotuner can time on the build machine: it runs them through the ONNX
 # Runtime CPU backend. Elsewhere `kernel: auto` takes the rule table.
@@ -46,7 +52,7 @@ TIMED_TARGETS = {("onnxruntime", "cpu")}
 
 @dataclass(frozen=True)
 class SelectAttentionOptions:
-    kernel: Literal["auto", "decomposed", "gqa", "paged_attention", "triton"] = "auto"
+    kernel: Literal["auto", "decomposed", "gqa", "paged_attention", "triton", "flashinfer"] = "auto"
     autotune: bool = True  # measure the valid candidates (kernel: auto); false: the rule table
 
 
@@ -95,9 +101,12 @@ class SelectAttentionPass(Pass):
             choice, why = self._autotune(ctx, valid, cands)
         else:
             order = RULES.get((t.backend, t.device), ("decomposed",))
-            choice = next((v for v in order if v in valid), valid[0])
+            absent = [v for v in order if v in valid and v in RULE_NEEDS
+                      and importlib.util.find_spec(RULE_NEEDS[v]) is None]
+            choice = next((v for v in order if v in valid and v not in absent), valid[0])
             why = "rule"
-            stats["rule"] = f"{t.backend}/{t.device}: first valid of {', '.join(order)}"
+            stats["rule"] = f"{t.backend}/{t.device}: first valid of {', '.join(order)}" + "".join(
+                f"; {v} skipped: its package ({RULE_NEEDS[v]}) is not installed here" for v in absent)
         stats["candidates"] = [c.record() for c in cands]
         stats["choice"] = choice
         stats["reason"] = why

@@ -7,7 +7,10 @@ pool viewed as slots). torch is imported only when such an artifact is loaded.
 
 Attention. A program built with the `triton` variant calls optimize::paged_attention_triton
 (runtime/backends/torch_ops.py): the Triton kernel on CUDA (triton must be installed: checked at
-load), the per-sequence PyTorch reference on CPU.
+load), the per-sequence PyTorch reference on CPU. A program built with the `flashinfer` variant calls
+optimize::paged_attention_flashinfer: on CUDA this backend plans FlashInfer's wrappers on the host once
+per step, before the program runs or a decode graph replays (runtime/kernels/flashinfer_attention.py;
+one CUDA-graph decode wrapper per bucket); on CPU the op runs the reference.
 
 Devices. The program is exported device-neutral; on `cuda` it is moved to the GPU at load
 (`torch.export.passes.move_to_device_pass`) with the pools in device memory. On CPU the numpy
@@ -26,6 +29,7 @@ decode batches larger than the largest bucket always run eagerly.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 from pathlib import Path
@@ -76,6 +80,11 @@ class TorchBackend:
                     raise RuntimeError("this artifact's attention is the Triton paged-attention kernel "
                                        "(optimize::paged_attention_triton) and triton is not installed: pip install "
                                        "triton (CUDA builds of torch ship it), or load the artifact with device='cpu'")
+            if attention == "flashinfer" and importlib.util.find_spec("flashinfer") is None:
+                raise RuntimeError("this artifact's attention is FlashInfer (optimize::paged_attention_flashinfer) and "
+                                   "flashinfer is not installed: pip install flashinfer-python (matching this torch "
+                                   "and CUDA), or rebuild with select_attention kernel: triton, or load the artifact "
+                                   "with device='cpu'")
         try:
             import torch
         except ImportError as e:  # pragma: no cover - depends on the install
@@ -126,6 +135,13 @@ class TorchBackend:
             raise RuntimeError("graphs='padded' needs the manifest's cuda_graphs plan (a plan_cuda_graphs pass "
                                "whose decode graph is capturable)")
         self.graph_mode = graphs if self.buckets else "off"
+        self._flashinfer: Any = None
+        if attention == "flashinfer" and device == "cuda":
+            from runtime.kernels.flashinfer_attention import FlashInferAttention
+
+            self._flashinfer = FlashInferAttention(
+                int(config["model"]["num_heads"]), self.kv_heads, self.head_dim, self.block_size, tdtype, self.device,
+                buckets=self.buckets if self.graph_mode == "cuda" else (), width=self.width)
         self._static: dict[int, dict[str, Any]] = {}
         self._graphs: dict[int, tuple[Any, Any]] = {}
         self.graph_replays = 0  # CUDA graph replays
@@ -172,6 +188,8 @@ class TorchBackend:
                     np.ascontiguousarray(batch.block_table[:, :past_blocks]), batch.logits_index]
             args = [torch.from_numpy(a).to(self.device, non_blocking=True) for a in host]
             slots = torch.from_numpy(batch.slot_mapping).to(self.device, non_blocking=True)
+            if self._flashinfer is not None:
+                self._flashinfer.plan(batch.cu_seqlens, batch.past_lens, host[4])
             logits = self._step(args, slots)
             return logits.float().cpu().numpy()
 
@@ -204,6 +222,9 @@ class TorchBackend:
                 dev = self._static[b]["dev"]
                 args = [dev[k] for k in ("input_ids", "positions", "cu_seqlens", "past_lens", "block_table",
                                          "logits_index")]
+                if self._flashinfer is not None:  # every row padding: one entry in the spare block
+                    self._flashinfer.plan(np.arange(b + 1), np.zeros(b, np.int32), np.full((b, self.width), -1),
+                                          bucket=b, pad_from=0, pad_block=self.num_blocks)
                 side = torch.cuda.Stream()
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):  # warm-up (allocator, lazy init) before capture
@@ -223,6 +244,10 @@ class TorchBackend:
         st = self._static[b]
         h = st["host"]
         stage_padded_decode(st["host_np"], batch, self.num_blocks, self.block_size)
+        if self._flashinfer is not None:  # refills the bucket wrapper's buffers the captured kernels read
+            hn = st["host_np"]
+            self._flashinfer.plan(np.arange(b + 1), hn["past_lens"], hn["block_table"],
+                                  bucket=b if self.graph_mode == "cuda" else None, pad_from=n, pad_block=self.num_blocks)
         if self.graph_mode == "cuda":
             dev = st["dev"]
             for k in ("input_ids", "positions", "past_lens", "block_table", "slot_mapping"):

@@ -22,6 +22,10 @@ kv_heads, head_dim, block_size, window, scale)`: the `triton` attention variant 
 paged_attention.py). On CUDA tensors the Triton kernel, which reads the pools through the block table
 without host synchronisation (CUDA-graph safe); on CPU the per-sequence PyTorch reference, or the same
 Triton kernel in Triton's interpreter when the process runs with TRITON_INTERPRET=1.
+
+`optimize::paged_attention_flashinfer(...)` (same arguments): the `flashinfer` attention variant. On CUDA
+tensors FlashInfer's kernels with the plan the torch backend made for this step
+(runtime/kernels/flashinfer_attention.py); on CPU the per-sequence PyTorch reference.
 """
 
 from __future__ import annotations
@@ -135,4 +139,28 @@ def _(q, k, v, k_cache, v_cache, cu_seqlens, past_lens, block_table, num_heads, 
     return q.new_empty(q.shape)
 
 
-__all__ = ["ACT_DYNAMIC", "ACT_NONE", "ACT_STATIC", "fp8_linear", "int4_linear", "paged_attention_triton_op"]
+@torch.library.custom_op("optimize::paged_attention_flashinfer", mutates_args=())
+def paged_attention_flashinfer_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                                  v_cache: torch.Tensor, cu_seqlens: torch.Tensor, past_lens: torch.Tensor,
+                                  block_table: torch.Tensor, num_heads: int, kv_heads: int, head_dim: int,
+                                  block_size: int, window: int, scale: float) -> torch.Tensor:
+    return paged_attention_reference(q, k, v, k_cache, v_cache, cu_seqlens, past_lens, block_table, num_heads,
+                                     kv_heads, window, scale)
+
+
+@paged_attention_flashinfer_op.register_kernel("cuda")
+def _(q, k, v, k_cache, v_cache, cu_seqlens, past_lens, block_table, num_heads, kv_heads, head_dim,  # noqa: ANN001, ANN202
+      block_size, window, scale):
+    from runtime.kernels.flashinfer_attention import active
+
+    return active().attend(q, k, v, k_cache, v_cache, scale)
+
+
+@paged_attention_flashinfer_op.register_fake
+def _(q, k, v, k_cache, v_cache, cu_seqlens, past_lens, block_table, num_heads, kv_heads, head_dim,  # noqa: ANN001, ANN202
+      block_size, window, scale):
+    return q.new_empty(q.shape)
+
+
+__all__ = ["ACT_DYNAMIC", "ACT_NONE", "ACT_STATIC", "fp8_linear", "int4_linear", "paged_attention_flashinfer_op",
+           "paged_attention_triton_op"]

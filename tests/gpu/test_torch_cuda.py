@@ -1,11 +1,13 @@
 """torch/cuda on a GPU: the artifact moved to the device, one CUDA graph per decode bucket captured at
 load and replayed, greedy tokens equal to transformers (float32) and to the eager path, with the
 Triton paged-attention kernel and with the decomposed attention; the Triton kernels (paged attention,
-INT4 matmul) compiled for the GPU against their PyTorch references; FP8 and INT4 programs against CPU. Skips with the reason where this machine cannot run the target
-(runtime/gpu.py)."""
+INT4 matmul) compiled for the GPU against their PyTorch references; FP8 and INT4 programs against CPU; the
+FlashInfer attention variant (where flashinfer is installed) against the reference and CPU. Skips with the
+reason where this machine cannot run the target (runtime/gpu.py)."""
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -117,3 +119,45 @@ def test_int4_linears_run_on_the_gpu_and_agree_with_cpu(tmp_path: Path) -> None:
     got = staggered_greedy(graphs, prompts, [0, 1, 3], 12)
     assert graphs.backend.graph_replays > 5
     assert staggered_greedy(LLMEngine(path, graphs="off"), prompts, [0, 1, 3], 12) == got
+
+
+_NO_FLASHINFER = "flashinfer is not installed (pip install '.[flashinfer]')"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None, reason=_NO_FLASHINFER)
+def test_flashinfer_plans_equal_the_reference_on_the_gpu() -> None:
+    """The hypothesis steps of tests/test_flashinfer_variant.py (mixed, prefill, decode, decode buckets with
+    padding rows) through FlashInfer's kernels on this GPU, float16/bfloat16, against the reference."""
+    import torch
+    from hypothesis import given, settings
+    from test_flashinfer_variant import TOL, run_step, steps
+
+    @settings(max_examples=40, deadline=None, derandomize=True)
+    @given(steps().filter(lambda c: c["dtype"] != torch.float32))
+    def check(c: dict) -> None:
+        err, _ = run_step(c, flashinfer=None, device="cuda")
+        assert err <= TOL[c["dtype"]], (err, c)
+
+    check()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None, reason=_NO_FLASHINFER)
+def test_flashinfer_artifact_with_cuda_graphs_agrees_with_cpu(tmp_path: Path) -> None:
+    """A float16 model with head_dim 64 built with the flashinfer variant: logits of a prefill step against the
+    same program on CPU (the reference op), and greedy tokens with CUDA graphs equal to without."""
+    import numpy as np
+    from test_torch_fp8 import _batch
+
+    ckpt = make_random_checkpoint(tmp_path / "ckpt", "LlamaForCausalLM", seed=11, head_dim=64)
+    passes = "  - name: select_attention\n    options:\n      kernel: flashinfer\n" + PASSES
+    path = build(write_recipe(tmp_path, ckpt, passes=passes, backend="torch", device="cuda", dtype="float16"),
+                 progress=False)
+    fb = _batch()
+    gpu = LLMEngine(path).backend.forward(fb)
+    cpu = LLMEngine(path, device="cpu").backend.forward(fb)
+    np.testing.assert_allclose(gpu, cpu, rtol=2e-2, atol=2e-2)
+    prompts = prompts_of([5, 17, 33, 9], seed=4)
+    graphs = LLMEngine(path)
+    got = staggered_greedy(graphs, prompts, [0, 1, 3, 4], 16)
+    assert graphs.backend.graph_replays > 10
+    assert staggered_greedy(LLMEngine(path, graphs="off"), prompts, [0, 1, 3, 4], 16) == got
