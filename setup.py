@@ -1,4 +1,5 @@
-"""Build the runtime's C extension (plain C, CPython API + buffer protocol; no numpy headers).
+"""Build the runtime's C code: the engine core extension (plain C, CPython API + buffer protocol; no numpy
+headers) and the ONNX Runtime custom-op library with the CPU paged-attention kernel (plain C, ORT's C ABI).
 
 `-ffp-contract=off`: no fused multiply-add, so the sampler's float arithmetic is the same IEEE
 operations as its numpy twin (runtime/core/reference.py) on every compiler and CPU.
@@ -15,6 +16,15 @@ setup(
             sources=["runtime/core/_core.c", "runtime/core/_scheduler.c", "runtime/core/_sampler.c"],
             depends=["runtime/core/_core.h"],
             extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra", "-ffp-contract=off", "-fno-trapping-math"],
-        )
+        ),
+        # Not a Python module: a custom-op library that ONNX Runtime loads (SessionOptions.
+        # register_custom_ops_library); runtime/kernels/paged_attention_cpu.py finds and registers it.
+        # gnu11 allows fused multiply-add (tolerance-tested against the reference attention).
+        Extension(
+            "runtime.kernels._paged_attention_cpu",
+            sources=["runtime/kernels/paged_attention_cpu.c"],
+            depends=["runtime/kernels/ort_api.h"],
+            extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wextra", "-fno-trapping-math"],
+        ),
     ]
 )

@@ -36,7 +36,7 @@ SELECT = "  - name: select_attention\n    options: {opts}\n  - name: capture\n  
 def test_candidates_by_target() -> None:
     cfg = inspect_checkpoint(DEMO_MODEL).config
     cpu = {c.variant: c for c in candidates(cfg, "onnxruntime", "cpu", "float32")}
-    assert cpu["decomposed"].valid and cpu["gqa"].valid
+    assert cpu["decomposed"].valid and cpu["gqa"].valid and cpu["paged_cpu"].valid
     assert not cpu["paged_attention"].valid and "CUDA only" in cpu["paged_attention"].reason
     cuda = {c.variant: c for c in candidates(cfg, "onnxruntime", "cuda", "float16")}
     assert cuda["paged_attention"].valid and not cuda["gqa"].valid and "in-place cache write" in cuda["gqa"].reason
@@ -44,9 +44,11 @@ def test_candidates_by_target() -> None:
     quant = {c.variant: c for c in candidates(cfg, "onnxruntime", "cpu", "float32", ["quantize_kv_cache"])}
     assert quant["gqa"].valid and "quantize_kv_cache" in quant["gqa"].reason
     assert not quant["paged_attention"].valid
+    assert not quant["paged_cpu"].valid and "float32 pools" in quant["paged_cpu"].reason
+    assert not cuda["paged_cpu"].valid and "CPU execution provider only" in cuda["paged_cpu"].reason
     torch_target = {c.variant: c.valid for c in candidates(cfg, "torch", "cpu", "float32")}
-    assert torch_target == {"decomposed": True, "gqa": False, "paged_attention": False, "triton": False,
-                            "flashinfer": False}
+    assert torch_target == {"decomposed": True, "gqa": False, "paged_cpu": False, "paged_attention": False,
+                            "triton": False, "flashinfer": False}
     torch_cuda = {c.variant: c for c in candidates(cfg, "torch", "cuda", "float16")}
     assert torch_cuda["triton"].valid and torch_cuda["decomposed"].valid
     assert "torch targets only" in cpu["triton"].reason and not cuda["triton"].valid
@@ -62,12 +64,12 @@ def _demo_ctx(tmp_path: Path) -> BuildContext:
 def test_demo_stats_rule(tmp_path: Path) -> None:
     ctx = _demo_ctx(tmp_path)
     stats = SelectAttentionPass(SelectAttentionOptions(autotune=False)).run(ctx)
-    assert stats["choice"] == "decomposed" and stats["reason"] == "rule" and stats["autotune"] is False
+    assert stats["choice"] == "paged_cpu" and stats["reason"] == "rule" and stats["autotune"] is False
     assert stats["attention_kind"]["heads"] == "GQA"
-    assert [c["variant"] for c in stats["candidates"]] == ["decomposed", "gqa", "paged_attention", "triton",
-                                                           "flashinfer"]
-    assert [c["valid"] for c in stats["candidates"]] == [True, True, False, False, False]
-    assert ctx.artifacts["attention"]["variant"] == "decomposed"
+    assert [c["variant"] for c in stats["candidates"]] == ["decomposed", "gqa", "paged_cpu", "paged_attention",
+                                                           "triton", "flashinfer"]
+    assert [c["valid"] for c in stats["candidates"]] == [True, True, True, False, False, False]
+    assert ctx.artifacts["attention"]["variant"] == "paged_cpu"
     json.dumps(stats, sort_keys=True)  # manifest-ready
     # the build driver's --no-autotune flag wins over the recipe's autotune: true
     ctx = _demo_ctx(tmp_path)
@@ -191,11 +193,11 @@ def test_autotune_records_timings(tmp_path: Path) -> None:
     artifact = build(recipe, progress=False)
     manifest = json.loads((artifact / "manifest.json").read_text())
     stats = next(p for p in manifest["passes"] if p["name"] == "select_attention")["stats"]
-    assert stats["reason"] == "autotune" and stats["choice"] in ("decomposed", "gqa")
+    assert stats["reason"] == "autotune" and stats["choice"] in ("decomposed", "gqa", "paged_cpu")
     assert "ms" not in json.dumps(stats)  # no timings in the manifest
     info = json.loads((artifact / "build.json").read_text())
     tune = info["attention_autotune"]
-    assert set(tune["results"]) == {"decomposed", "gqa"}
+    assert set(tune["results"]) == {"decomposed", "gqa", "paged_cpu"}
     for r in tune["results"].values():
         assert r["valid"] and set(r["median_ms"]) == {s["name"] for s in tune["shapes"]}
         assert all(t > 0 for t in r["median_ms"].values())
@@ -215,7 +217,7 @@ def test_autotune_off_is_reproducible(tmp_path: Path) -> None:
     assert files[0] == files[1]
     stats = next(p for p in json.loads(files[0]["manifest.json"])["passes"]
                  if p["name"] == "select_attention")["stats"]
-    assert (stats["choice"], stats["reason"]) == ("decomposed", "rule")
+    assert (stats["choice"], stats["reason"]) == ("paged_cpu", "rule")
 
 
 # -- PagedAttention (CUDA only): built and validated against the registered schema ------------------

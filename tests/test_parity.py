@@ -9,6 +9,7 @@ longest prompt.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -33,18 +34,29 @@ LOGITS_TOL = 1e-3
 VARIANT_IDS = ["llama", "mistral", "qwen2", "qwen3", "mistral-sliding"]
 # every architecture on both CPU targets: ONNX Runtime (model.onnx) and torch (the torch.export program)
 BACKENDS = ["onnxruntime", "torch"]
+# ... and ONNX Runtime with the C paged-attention kernel (select_attention kernel: paged_cpu)
+TARGETS = ["onnxruntime", "onnxruntime-paged_cpu", "torch"]
+PAGED_CPU_PASSES = ("  - name: select_attention\n    options: {kernel: paged_cpu}\n  - name: capture\n"
+                    "  - name: lower_onnx\n  - name: package\n")
 
 
-@pytest.fixture(scope="module", params=[(v, b) for b in BACKENDS for v in range(len(VARIANTS))],
-                ids=[f"{i}-{b}" for b in BACKENDS for i in VARIANT_IDS])
+@pytest.fixture(scope="module", params=[(v, b) for b in TARGETS for v in range(len(VARIANTS))],
+                ids=[f"{i}-{b}" for b in TARGETS for i in VARIANT_IDS])
 def random_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(checkpoint folder, built artifact) for one architecture and target backend."""
-    index, backend = request.param
+    index, target = request.param
     arch, overrides = VARIANTS[index]
     folder = tmp_path_factory.mktemp(arch)
     ckpt = make_random_checkpoint(folder / "ckpt", arch, seed=index, **overrides)
-    recipe = write_recipe(folder, ckpt, name=arch.lower(), backend=backend)
-    return ckpt, build(recipe, progress=False)
+    if target == "onnxruntime-paged_cpu":
+        recipe = write_recipe(folder, ckpt, name=arch.lower(), passes=PAGED_CPU_PASSES)
+    else:
+        recipe = write_recipe(folder, ckpt, name=arch.lower(), backend=target)
+    artifact = build(recipe, progress=False)
+    if target == "onnxruntime-paged_cpu":
+        kernels = json.loads((artifact / "manifest.json").read_text())["kernels"]
+        assert kernels["attention"]["variant"] == "paged_cpu"
+    return ckpt, artifact
 
 
 @pytest.fixture(scope="module", params=BACKENDS)

@@ -7,6 +7,10 @@ Variants (the model definition's `attention=`, compiler/models/llama.py):
   parser reads these standard ops; the contrib-op variants below are ONNX Runtime's alone).
 - `gqa`: ONNX Runtime's com.microsoft.GroupQueryAttention fed per-sequence past K/V gathered from
   the pool and right-padded chunks (`query_seqlens`, ONNX Runtime >= 1.32), see lowering.py.
+- `paged_cpu`: ONNX Runtime CPU: optimize.PagedAttention, this package's C kernel registered into ONNX
+  Runtime as a custom-op library (runtime/kernels/paged_attention_cpu.c): writes the step's K/V into the
+  pools in place and attends per sequence reading the pools through the block table (no gather of the
+  past, no scores across sequences), on ONNX Runtime's intra-op threads; float32 pools.
 - `paged_attention`: ONNX Runtime's com.microsoft.PagedAttention (CUDA kernel only, float16/bfloat16),
   reading and writing our pools directly. Built and schema-validated here; never run on CPU.
 - `triton`: the torch targets on CUDA: the program calls optimize::paged_attention_triton, a Triton
@@ -27,7 +31,7 @@ from typing import Any
 
 from runtime.kernels import FLASHINFER_HEAD_DIMS
 
-VARIANTS = ("decomposed", "gqa", "paged_attention", "triton", "flashinfer")
+VARIANTS = ("decomposed", "gqa", "paged_cpu", "paged_attention", "triton", "flashinfer")
 
 KERNELS: dict[str, dict[str, str]] = {
     "decomposed": {
@@ -39,6 +43,12 @@ KERNELS: dict[str, dict[str, str]] = {
         "implementation": "com.microsoft.GroupQueryAttention",
         "description": "per-sequence gather of past K/V through block_table into BNSH, right-padded chunks "
                        "(query_seqlens), GroupQueryAttention, valid rows gathered back to packed tokens",
+    },
+    "paged_cpu": {
+        "implementation": "optimize.PagedAttention",
+        "description": "C kernel (custom-op library): the step's K/V written into the pools in place, then per "
+                       "(sequence, KV head, query tile) an online softmax over the pools read through block_table; "
+                       "ONNX Runtime CPU, float32",
     },
     "paged_attention": {
         "implementation": "com.microsoft.PagedAttention",
@@ -109,7 +119,7 @@ def candidates(cfg: Any, backend: str, device: str, dtype: str, pass_names: list
     quant_kv = "quantize_kv_cache" in pass_names
     if cfg.num_heads % cfg.num_kv_heads:
         why = f"num_heads {cfg.num_heads} is not a multiple of num_kv_heads {cfg.num_kv_heads}"
-        return out + [Candidate(v, False, why) for v in ("gqa", "paged_attention", "triton", "flashinfer")]
+        return out + [Candidate(v, False, why) for v in ("gqa", "paged_cpu", "paged_attention", "triton", "flashinfer")]
     if backend == "tensorrt":
         out.append(Candidate("gqa", False, _NOT_FOR_TENSORRT.format(op="GroupQueryAttention")))
     elif backend != "onnxruntime":
@@ -123,6 +133,7 @@ def candidates(cfg: Any, backend: str, device: str, dtype: str, pass_names: list
     else:
         out.append(Candidate("gqa", True, f"GroupQueryAttention CPU/CUDA kernel, {dtype}, query_seqlens "
                              "(right-padded chunks) over per-sequence past gathered from the pool"))
+    out.append(_paged_cpu(backend, device, dtype, quant_kv))
     if backend == "tensorrt":
         out.append(Candidate("paged_attention", False, _NOT_FOR_TENSORRT.format(op="PagedAttention")))
     elif backend != "onnxruntime" or device != "cuda":
@@ -151,6 +162,24 @@ def candidates(cfg: Any, backend: str, device: str, dtype: str, pass_names: list
         out = [c if c.variant == "paged_attention" or not c.valid else Candidate(c.variant, False, _CUDA_POOLS)
                for c in out]
     return out
+
+
+def _paged_cpu(backend: str, device: str, dtype: str, quant_kv: bool) -> Candidate:
+    if backend != "onnxruntime" or device != "cpu":
+        return Candidate("paged_cpu", False, "optimize.PagedAttention is a C kernel for ONNX Runtime's CPU execution "
+                         "provider only")
+    if dtype != "float32":
+        return Candidate("paged_cpu", False, f"the kernel takes float32, not {dtype}")
+    if quant_kv:
+        return Candidate("paged_cpu", False, "quantized KV cache: the kernel reads and writes float32 pools (int8/"
+                         "FP8 pools with per-head scales are the decomposed and gqa paths' rewrite)")
+    from runtime.kernels.paged_attention_cpu import KernelLibraryError, library_path
+
+    try:
+        library_path()
+    except KernelLibraryError as e:
+        return Candidate("paged_cpu", False, str(e))
+    return Candidate("paged_cpu", True, "C kernel over the pools in place (custom-op library), float32")
 
 
 def _flashinfer(cfg: Any, backend: str, device: str, dtype: str) -> Candidate:

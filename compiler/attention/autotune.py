@@ -116,6 +116,7 @@ def autotune(cfg: Any, block_size: int, max_model_len: int, variants: list[str],
     """Time each variant on the shapes; returns {"shapes", "results": {variant: {...}}, "fastest"}."""
     import onnx
 
+    from compiler.passes.package import kv_write
     from runtime.backends.onnxruntime import OnnxRuntimeBackend
     from runtime.forward_batch import ForwardBatch  # noqa: F401 - the backend's contract
 
@@ -138,7 +139,7 @@ def autotune(cfg: Any, block_size: int, max_model_len: int, variants: list[str],
                 "kv_cache": {"block_size": block_size, "num_blocks": blocks_needed, "dtype": "float32"},
                 "model": {"num_layers": 1, "num_kv_heads": tcfg.num_kv_heads, "head_dim": tcfg.head_dim,
                           "vocab_size": tcfg.vocab_size},
-                "graph": {"inputs": [i.name for i in proto.graph.input]},
+                "graph": {"inputs": [i.name for i in proto.graph.input], "kv_write": kv_write({"variant": variant})},
             }
             backend = OnnxRuntimeBackend(path, config)
             rng = np.random.default_rng(0)

@@ -16,6 +16,11 @@ Hugging Face's sliding_window does). The valid rows of the output are gathered b
 The present K/V outputs (required by the CPU kernel with query_seqlens) are left unused: the graph's
 new K/V outputs stay this step's K/V, which the runtime scatters into its pool.
 
+paged_cpu (`optimize.PagedAttention`, ONNX Runtime CPU with this package's custom-op library registered):
+the same inputs and attributes as PagedAttention below (float32), the schema ours (`optimize_schema()`);
+the op writes the step's K/V into the pools itself (runtime/kernels/paged_attention_cpu.c). The graph's
+new K/V outputs stay (the ForwardBatch graph's interface), and the runtime does not scatter them.
+
 paged_attention (`com.microsoft.PagedAttention`, ONNX Runtime CUDA only, float16/bfloat16): packed
 q/k/v [T, hidden], the pools in our layout (num_blocks, block_size, kv_heads, head_dim) with
 kv_cache_layout SEPARATE (the default), cumulative_sequence_length = cu_seqlens, past_seqlens =
@@ -36,6 +41,33 @@ from compiler.attention.schema import onnx_schema
 _MSFT = Opset("com.microsoft", 1)
 # ONNX itself has no schema for the contrib ops: ONNX Runtime's registered one (schema.py) stands in.
 GroupQueryAttention = Op(_MSFT, "GroupQueryAttention", onnx_schema("GroupQueryAttention"))
+
+
+def optimize_schema() -> Any:
+    """onnx.defs.OpSchema of optimize.PagedAttention (runtime/kernels/paged_attention_cpu.c)."""
+    from onnx import defs
+
+    from runtime.kernels.paged_attention_cpu import DOMAIN, OP_TYPE
+
+    def param(name: str, type_str: str) -> Any:
+        return defs.OpSchema.FormalParameter(name, type_str, "")
+
+    attr = defs.OpSchema.AttrType
+    return defs.OpSchema(
+        OP_TYPE, DOMAIN, 1, "paged attention over packed tokens; writes the step's K/V into the pools in place",
+        inputs=[param("query", "T"), param("key", "T"), param("value", "T"), param("key_cache", "T"),
+                param("value_cache", "T"), param("cumulative_sequence_length", "S"), param("past_seqlens", "S"),
+                param("block_table", "S")],
+        outputs=[param("output", "T")],
+        type_constraints=[("T", ["tensor(float)"], ""), ("S", ["tensor(int32)"], "")],
+        attributes=[defs.OpSchema.Attribute("num_heads", attr.INT, "", required=True),
+                    defs.OpSchema.Attribute("kv_num_heads", attr.INT, "", required=True),
+                    defs.OpSchema.Attribute("scale", attr.FLOAT, "", required=True),
+                    defs.OpSchema.Attribute("local_window_size", attr.INT, "", required=True)],
+    )
+
+
+OptimizePagedAttention = Op(Opset("optimize", 1), "PagedAttention", optimize_schema())
 PagedAttention = Op(_MSFT, "PagedAttention", onnx_schema("PagedAttention"))
 _INT32, _INT64 = 6, 7
 
@@ -112,10 +144,21 @@ def paged_attention_translation(q: Any, k: Any, v: Any, k_cache: Any, v_cache: A
     return results[0] if isinstance(results, (tuple, list)) else results
 
 
+def paged_cpu_translation(q: Any, k: Any, v: Any, k_cache: Any, v_cache: Any, cu_seqlens: Any, past_lens: Any,
+                          block_table: Any, num_heads: int, kv_heads: int, head_dim: int, block_size: int,
+                          window: int, scale: float) -> Any:
+    return OptimizePagedAttention(
+        q, k, v, k_cache, v_cache, cu_seqlens, past_lens, block_table,
+        num_heads=num_heads, kv_num_heads=kv_heads, scale=scale, local_window_size=window if window > 0 else -1,
+    )
+
+
 def translation_table(variant: str) -> dict[Any, Any] | None:
     """custom_translation_table for torch.onnx.export; None for the decomposed path (standard ops)."""
-    from compiler.attention.ops import paged_attention, paged_gqa
+    from compiler.attention.ops import paged_attention, paged_cpu, paged_gqa
 
+    if variant == "paged_cpu":
+        return {paged_cpu._opoverload: paged_cpu_translation}
     if variant == "gqa":
         return {paged_gqa._opoverload: gqa_translation}
     if variant == "paged_attention":

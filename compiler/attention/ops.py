@@ -10,7 +10,8 @@ sliding window when there is one (`window` >= 1: the last `window` positions inc
 Eagerly (torch.export's fake tensors excepted) an op computes `paged_attention_reference`
 (runtime/kernels/paged_attention.py), a plain per-sequence attention in torch: the quantization
 calibration, the build's quality gate and the tests run it. The ONNX translation of `gqa` and
-`paged_attention` (compiler/attention/lowering.py) is the contrib op of the variant; `triton` has none
+`paged_attention` (compiler/attention/lowering.py) is the contrib op of the variant, of `paged_cpu`
+our optimize.PagedAttention; `triton` has none
 (torch targets only: the program calls optimize::paged_attention_triton, whose CUDA kernel is Triton);
 nor has `flashinfer` (optimize::paged_attention_flashinfer, FlashInfer's kernels on CUDA).
 """
@@ -44,7 +45,8 @@ def _define(name: str) -> torch._library.custom_ops.CustomOpDef:
 # One op per fused variant (same semantics, different ONNX translation).
 paged_gqa = _define("paged_gqa")  # com.microsoft.GroupQueryAttention (ONNX Runtime CPU and CUDA)
 paged_attention = _define("paged_attention")  # com.microsoft.PagedAttention (ONNX Runtime CUDA)
+paged_cpu = _define("paged_cpu")  # optimize.PagedAttention (the C kernel, ONNX Runtime CPU)
 
 # The torch targets' kernel variant (runtime/backends/torch_ops.py): Triton on CUDA, the reference on CPU.
-OPS = {"gqa": paged_gqa, "paged_attention": paged_attention, "triton": paged_attention_triton_op,
+OPS = {"gqa": paged_gqa, "paged_attention": paged_attention, "paged_cpu": paged_cpu, "triton": paged_attention_triton_op,
        "flashinfer": paged_attention_flashinfer_op}

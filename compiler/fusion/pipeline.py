@@ -141,9 +141,13 @@ def check_model(model: onnx.ModelProto, onnxruntime_session: bool = True) -> dic
     if onnxruntime_session:
         import onnxruntime as ort
 
+        from runtime.kernels.paged_attention_cpu import register, uses_kernel
+
         so = ort.SessionOptions()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         so.intra_op_num_threads = 1
+        if uses_kernel(model):
+            register(so)
         ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
         out["onnxruntime_session"] = "loads (CPUExecutionProvider)"
     return out

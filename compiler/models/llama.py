@@ -12,9 +12,9 @@ head_dim]); the runtime scatters those into its pool at `slot_mapping` after the
 never copies the pool. Weights load from Hugging Face names.
 
 `attention` picks the attention variant (compiler/attention/, chosen by the select_attention pass):
-"decomposed" is the paged attention above in standard ops; "gqa" and "paged_attention" call a
-custom op over the same packed tokens and pools whose ONNX translation is ONNX Runtime's
-GroupQueryAttention or PagedAttention contrib op (q/k norm and RoPE stay in our graph); "triton"
+"decomposed" is the paged attention above in standard ops; "gqa", "paged_cpu" and "paged_attention" call
+a custom op over the same packed tokens and pools whose ONNX translation is ONNX Runtime's
+GroupQueryAttention contrib op, our optimize.PagedAttention (a C kernel) or ONNX Runtime's PagedAttention (q/k norm and RoPE stay in our graph); "triton"
 (torch targets) calls optimize::paged_attention_triton, a Triton kernel on CUDA; "flashinfer" (torch
 targets) calls optimize::paged_attention_flashinfer, FlashInfer's kernels on CUDA.
 """
@@ -71,7 +71,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-ATTENTION_VARIANTS = ("decomposed", "gqa", "paged_attention", "triton", "flashinfer")
+ATTENTION_VARIANTS = ("decomposed", "gqa", "paged_cpu", "paged_attention", "triton", "flashinfer")
 
 
 class Attention(nn.Module):

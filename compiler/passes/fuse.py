@@ -69,7 +69,7 @@ class FusePass(Pass):
         fused, stats = fuse_model(model, self.config.enabled(), rope_cache_rows=rows)
         # PagedAttention has no CPU kernel: such a graph cannot open an ONNX Runtime CPU session here, so
         # its contrib nodes are checked against ONNX Runtime's registered schema instead
-        cuda_only = any(n.op_type == "PagedAttention" for n in fused.graph.node)
+        cuda_only = any(n.op_type == "PagedAttention" and n.domain == "com.microsoft" for n in fused.graph.node)
         try:
             stats["checks"] = check_model(fused, onnxruntime_session=self.config.check_onnxruntime and not cuda_only)
         except Exception as e:

@@ -62,8 +62,15 @@ def runtime_config(ctx: BuildContext) -> dict[str, Any]:
             "eos_token_ids": list(cfg.eos_token_ids),
             "max_position_embeddings": cfg.max_position_embeddings,
         },
-        "graph": {"inputs": inputs, "outputs": outputs},
+        # kv_write "graph": the attention node writes the step's K/V into the pools itself (paged_cpu,
+        # paged_attention); "runtime": the backend scatters the graph's new K/V outputs at slot_mapping
+        "graph": {"inputs": inputs, "outputs": outputs, "kv_write": kv_write(ctx.artifacts.get("attention"))},
     }
+
+
+def kv_write(attention: dict[str, Any] | None) -> str:
+    """Who writes a step's K/V into the pools for the chosen attention variant: "graph" or "runtime"."""
+    return "graph" if (attention or {}).get("variant") in ("paged_cpu", "paged_attention") else "runtime"
 
 
 class PackagePass(Pass):

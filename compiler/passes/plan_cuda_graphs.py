@@ -138,8 +138,12 @@ def _run_buckets(model: Any, buckets: list[int], width: int, block_size: int, vo
     import onnxruntime as ort
     from onnx import TensorProto
 
+    from runtime.kernels.paged_attention_cpu import register, uses_kernel
+
     so = ort.SessionOptions()
     so.log_severity_level = 3
+    if uses_kernel(model):
+        register(so)
     sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
     np_types = {TensorProto.FLOAT: np.float32, TensorProto.FLOAT16: np.float16, TensorProto.INT8: np.int8,
                 TensorProto.UINT8: np.uint8}
@@ -180,7 +184,7 @@ def _run_buckets(model: Any, buckets: list[int], width: int, block_size: int, vo
 
 def _has_cuda_only_ops(model: Any) -> bool:
     """PagedAttention has no CPU kernel: such a graph is checked by the taint analysis only."""
-    return any(n.op_type == "PagedAttention" for n in model.graph.node)
+    return any(n.op_type == "PagedAttention" and n.domain == "com.microsoft" for n in model.graph.node)
 
 
 # aten ops that read tensor contents on the host, or whose output size depends on them

@@ -2,7 +2,10 @@
 
 The graph reads the per-layer pools [num_blocks, block_size, kv_heads, head_dim] and returns the
 step's new K/V; this backend scatters them into the pools at `slot_mapping` (C core) after the
-run. Numpy arrays are handed to ONNX Runtime without copies.
+run. Numpy arrays are handed to ONNX Runtime without copies. A graph whose attention node writes the
+pools itself (runtime.json graph.kv_write "graph": the paged_cpu variant, optimize.PagedAttention)
+gets the library of that kernel registered with its session, the block table up to the last block
+any of the step's tokens lands in, and no scatter; only its logits are fetched.
 """
 
 from __future__ import annotations
@@ -54,6 +57,11 @@ class OnnxRuntimeBackend:
         if threads:
             so.intra_op_num_threads = threads
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        self.kv_in_graph = config["graph"].get("kv_write", "runtime") == "graph"
+        if self.kv_in_graph:
+            from runtime.kernels.paged_attention_cpu import register
+
+            register(so)
         providers = providers or ["CPUExecutionProvider"]
         available = ort.get_available_providers()
         missing = [p for p in providers if p not in available]
@@ -65,6 +73,7 @@ class OnnxRuntimeBackend:
         self.session = ort.InferenceSession(str(model_path), so, providers=providers)
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.output_names = [o.name for o in self.session.get_outputs()]
+        self._logits_only = self.output_names[:1]
         expected = config["graph"]["inputs"]
         if self.input_names != expected:
             raise RuntimeError(f"{model_path.name}: graph inputs {self.input_names} differ from runtime.json {expected}")
@@ -89,9 +98,14 @@ class OnnxRuntimeBackend:
 
     def forward(self, batch: ForwardBatch) -> np.ndarray:
         """Run one step: returns logits [len(logits_index), vocab] float32 and writes the step's K/V."""
-        # The graph reads block_table only for the past (cached) tokens; this step's own K/V come
-        # from the step itself. Trimming the table to the past blocks keeps the gather minimal.
-        past_blocks = max(1, -(-int(batch.past_lens.max(initial=0)) // self.block_size))
+        if self.kv_in_graph:
+            # the attention node writes this step's K/V through the table: every block up to the last token
+            ends = batch.past_lens + np.diff(batch.cu_seqlens)
+            past_blocks = max(1, -(-int(ends.max(initial=0)) // self.block_size))
+        else:
+            # The graph reads block_table only for the past (cached) tokens; this step's own K/V come
+            # from the step itself. Trimming the table to the past blocks keeps the gather minimal.
+            past_blocks = max(1, -(-int(batch.past_lens.max(initial=0)) // self.block_size))
         feeds = {
             "input_ids": batch.input_ids,
             "positions": batch.positions,
@@ -101,6 +115,8 @@ class OnnxRuntimeBackend:
             "logits_index": batch.logits_index,
             **self._kv_feeds,
         }
+        if self.kv_in_graph:
+            return self.session.run(self._logits_only, feeds)[0]
         outs = self.session.run(None, feeds)
         new_k = outs[1::2]
         new_v = outs[2::2]

@@ -1,0 +1,523 @@
+/* Paged attention for ONNX Runtime CPU: the custom op optimize.PagedAttention (domain "optimize").
+ *
+ * One node per layer over the ForwardBatch's packed tokens (compiler/attention/lowering.py emits it):
+ *
+ *   inputs   query [T, H*D], key [T, KVH*D], value [T, KVH*D]       this step's tokens (after RoPE)
+ *            key_cache, value_cache [num_blocks, block_size, KVH, D] the layer's pools (float32)
+ *            cu_seqlens int32 [B+1], past_lens int32 [B], block_table int32 [B, max_blocks]
+ *   attrs    num_heads, kv_num_heads, scale, local_window_size (-1: none)
+ *   output   [T, H*D]
+ *
+ * Token i of sequence b (packed row cu_seqlens[b] + i) sits at position p = past_lens[b] + i. The op
+ * first writes the step's K/V into the pools in place at block_table[b][p / block_size], offset
+ * p % block_size (the slots the runtime's scheduler assigns), then attends each token to positions
+ * [lo, p] of its own sequence read from the pools through the block table, lo = p - window + 1 (>= 0)
+ * with a sliding window, else 0. No past is gathered into new tensors and no token of one sequence is
+ * scored against another's.
+ *
+ * Work is split into items (sequence, KV head, query tile); a tile holds up to QT query tokens times
+ * the G = H / KVH query heads that share the KV head, so every key row read from the pool serves all G
+ * heads. Per item: keys in chunks of KC positions, scores by an outer-product loop over the head
+ * dimension (vectorized across the chunk), an online softmax in base 2 (running max and sum per query
+ * row, float32 accumulation), the weighted values accumulated per row. Items run on ONNX Runtime's
+ * intra-op thread pool (KernelContext_ParallelFor), the session's own threads; a step too small to pay
+ * for a fork/join runs inline. The hot function is compiled for x86-64-v4 (AVX-512), v3 (AVX2 + FMA)
+ * and baseline x86-64, chosen at load by the CPU (GCC target_clones).
+ *
+ * Every index is validated before anything is written: a block table entry outside the pool, a
+ * sequence longer than its table, or shapes that disagree return an error status (ONNX Runtime raises
+ * it as an exception in the caller) and leave the pools untouched.
+ */
+#include <float.h>
+#include <limits.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ort_api.h"
+
+#define DOMAIN "optimize"
+#define OP_NAME "PagedAttention"
+#define KC 16          /* key positions per chunk */
+#define ROWS_TARGET 64 /* query rows (tokens x group heads) per work item, at most */
+#define INLINE_WORK (1 << 22) /* multiply-adds below which a step runs without the thread pool */
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && !defined(OPTIMIZE_NO_CLONES)
+#define HOT_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define HOT_CLONES
+#endif
+
+static const OrtApi *g_api;
+static OrtCustomOpDomain *g_domain;
+
+static OrtStatus *status(OrtErrorCode code, const char *msg) {
+    return ORT_FN(g_api, CreateStatus, OrtCreateStatusFn)(code, msg);
+}
+
+/* ---- kernel state and the per-step job --------------------------------------------------------------- */
+
+typedef struct {
+    int64_t num_heads, kv_heads, window;
+    float scale;
+    int64_t inline_work; /* below this many multiply-adds a step runs without the thread pool */
+} Kernel;
+
+typedef struct {
+    int32_t seq, kv_head, q0, q1; /* query tokens [q0, q1) of sequence seq */
+} Item;
+
+typedef struct {
+    const float *q;
+    float *kc, *vc;
+    const int32_t *cu, *past, *bt;
+    float *out;
+    int64_t max_blocks, block_size, num_heads, kv_heads, head_dim, group, window;
+    float scale_log2; /* softmax scale * log2(e): scores are exponentiated in base 2 */
+    const Item *items;
+    int failed; /* set by an item that could not allocate its scratch */
+} Job;
+
+/* 16-lane float vectors (GCC/Clang vector extensions): one AVX-512 register, two AVX2 or four SSE ones,
+ * depending on the clone the CPU selects. Loads and stores go through memcpy (unaligned, no aliasing UB). */
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+#define VL 16
+
+static inline v16f vload(const float *p) { v16f v; memcpy(&v, p, sizeof v); return v; }
+static inline void vstore(float *p, v16f v) { memcpy(p, &v, sizeof v); }
+static inline v16f vsplat(float x) { return (v16f){0} + x; }
+static inline v16f vselect(v16i mask, v16f a, v16f b) { return (v16f)((mask & (v16i)a) | (~mask & (v16i)b)); }
+static inline v16f vmax(v16f a, v16f b) { return vselect(a > b, a, b); }
+
+#if defined(__clang__)
+#define SHUF(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
+#else
+#define SHUF(v, ...) __builtin_shuffle(v, (v16i){__VA_ARGS__})
+#endif
+
+static inline float hsum(v16f v) {
+    v = v + SHUF(v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    v = v + SHUF(v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    v = v + SHUF(v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    v = v + SHUF(v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    return v[0];
+}
+
+static inline float hmax(v16f v) {
+    v = vmax(v, SHUF(v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+    v = vmax(v, SHUF(v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+    v = vmax(v, SHUF(v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+    v = vmax(v, SHUF(v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+    return v[0];
+}
+
+/* 2^x for x <= 0 (x = -inf and x <= -126 give 0): Cephes exp2f's polynomial on [-0.5, 0.5] (~2 ulp). */
+static inline v16f vexp2_neg(v16f x) {
+    const v16i tiny = x <= -126.0f;
+    x = vmax(x, vsplat(-126.0f));
+    const v16f xr = x + 0.5f;
+    v16i n = __builtin_convertvector(xr, v16i);          /* toward zero */
+    n = n + (__builtin_convertvector(n, v16f) > xr);     /* floor: -1 where truncation went up */
+    const v16f f = x - __builtin_convertvector(n, v16f); /* [-0.5, 0.5] */
+    v16f p = vsplat(1.535336188319500e-4f);
+    p = p * f + 1.339887440266574e-3f;
+    p = p * f + 9.618437357674640e-3f;
+    p = p * f + 5.550332471162809e-2f;
+    p = p * f + 2.402264791363012e-1f;
+    p = p * f + 6.931472028550421e-1f;
+    p = p * f + 1.0f;
+    const v16f r = p * (v16f)((n + 127) << 23);
+    return (v16f)((v16i)r & ~tiny);
+}
+
+static inline float exp2_neg(float x) { return vexp2_neg(vsplat(x))[0]; }
+
+/* dot(a, b) over n floats (a's rows are padded to whole vectors with zeros; b is read to n only) */
+static inline float dot(const float *a, const float *b, int64_t n) {
+    v16f s0 = {0}, s1 = {0};
+    int64_t d = 0;
+    for (; d + 2 * VL <= n; d += 2 * VL) {
+        s0 += vload(a + d) * vload(b + d);
+        s1 += vload(a + d + VL) * vload(b + d + VL);
+    }
+    for (; d + VL <= n; d += VL) s0 += vload(a + d) * vload(b + d);
+    float t = hsum(s0 + s1);
+    for (; d < n; d++) t += a[d] * b[d];
+    return t;
+}
+
+#define NR 8 /* query rows per score pass (independent accumulators) */
+
+/* Rows r0..r0+n (n <= 4) of acc: acc = acc * alpha[k] + sum_jj p[k][jj] * vrow[jj] for jj < nk, one
+ * d-block at a time so the accumulators stay in registers across the chunk's keys. */
+static inline void update_rows(float *acc, int64_t Dp, int64_t D, int64_t n, const float *alpha, const v16f *p,
+                               const float *const *vrow, int64_t nk) {
+    int64_t d = 0;
+    for (; d + VL <= D; d += VL) {
+        v16f a[4];
+        for (int64_t k = 0; k < n; k++) a[k] = vload(acc + k * Dp + d) * alpha[k];
+        for (int64_t jj = 0; jj < nk; jj++) {
+            const v16f v = vload(vrow[jj] + d);
+            for (int64_t k = 0; k < n; k++) a[k] += p[k][jj] * v;
+        }
+        for (int64_t k = 0; k < n; k++) vstore(acc + k * Dp + d, a[k]);
+    }
+    for (; d < D; d++) {
+        for (int64_t k = 0; k < n; k++) {
+            float t = acc[k * Dp + d] * alpha[k];
+            for (int64_t jj = 0; jj < nk; jj++) t += p[k][jj] * vrow[jj][d];
+            acc[k * Dp + d] = t;
+        }
+    }
+}
+
+HOT_CLONES
+static void run_item(Job *job, size_t index) {
+    const Item it = job->items[index];
+    const int64_t D = job->head_dim, G = job->group, BS = job->block_size, KVH = job->kv_heads;
+    const int64_t H = job->num_heads, Dp = (D + VL - 1) / VL * VL;
+    const int64_t nq = it.q1 - it.q0, R = nq * G, Rp = (R + NR - 1) / NR * NR;
+    const int64_t past = job->past[it.seq], row0 = job->cu[it.seq];
+    const int32_t *table = job->bt + (int64_t)it.seq * job->max_blocks;
+    const int64_t window = job->window;
+    const int transposed = R >= 16; /* many rows per key: transpose the key chunk once for all of them */
+
+    /* scratch: Q [Rp][Dp] (scaled; zero rows/columns pad to whole passes and vectors), acc [Rp][Dp],
+     * Kt [D][VL], m [R], l [R] */
+    float *mem = (float *)malloc(sizeof(float) * (size_t)(2 * Rp * Dp + D * VL + 2 * R + 2 * VL));
+    if (!mem) {
+        job->failed = 1;
+        return;
+    }
+    float *Q = mem, *acc = Q + Rp * Dp, *Kt = acc + Rp * Dp, *m = Kt + D * VL, *l = m + R;
+    memset(mem, 0, sizeof(float) * (size_t)(2 * Rp * Dp));
+    for (int64_t i = 0; i < nq; i++) {
+        for (int64_t h = 0; h < G; h++) {
+            const float *src = job->q + (row0 + it.q0 + i) * H * D + (it.kv_head * G + h) * D;
+            float *dst = Q + (i * G + h) * Dp;
+            for (int64_t d = 0; d < D; d++) dst[d] = src[d] * job->scale_log2;
+        }
+    }
+    for (int64_t r = 0; r < R; r++) {
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+    }
+    const int64_t p_first = past + it.q0, p_last = past + it.q1 - 1;
+    int64_t k_begin = window > 0 ? p_first - window + 1 : 0;
+    if (k_begin < 0) k_begin = 0;
+    const float *krow[VL], *vrow[VL];
+    const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    v16f s[NR];
+    float alpha[NR], sarr[VL];
+
+    for (int64_t j0 = k_begin; j0 <= p_last; j0 += VL) {
+        const int64_t nk = (p_last - j0 + 1) < VL ? (p_last - j0 + 1) : VL;
+        for (int64_t jj = 0; jj < VL; jj++) {
+            const int64_t j = j0 + (jj < nk ? jj : 0);
+            const int64_t slot = (int64_t)table[j / BS] * BS + j % BS;
+            krow[jj] = job->kc + (slot * KVH + it.kv_head) * D;
+            vrow[jj] = job->vc + (slot * KVH + it.kv_head) * D;
+        }
+        if (transposed) {
+            for (int64_t jj = 0; jj < VL; jj++) {
+                const float *kr = krow[jj];
+                for (int64_t d = 0; d < D; d++) Kt[d * VL + jj] = kr[d];
+            }
+        }
+        for (int64_t r0 = 0; r0 < R; r0 += NR) {
+            const int64_t nr = R - r0 < NR ? R - r0 : NR;
+            /* rows r0..r0+nr: skip when no key of this chunk is visible to any of them */
+            const int64_t p_lo = past + it.q0 + r0 / G, p_hi = past + it.q0 + (r0 + nr - 1) / G;
+            if (j0 > p_hi || j0 + nk - 1 < (window > 0 ? p_lo - window + 1 : 0)) continue;
+            if (transposed) { /* NR rows at once (padding rows of Q are zeros) */
+                for (int64_t k = 0; k < NR; k++) s[k] = (v16f){0};
+                const float *q0 = Q + r0 * Dp;
+                for (int64_t d = 0; d < D; d++) {
+                    const v16f kt = vload(Kt + d * VL);
+                    for (int64_t k = 0; k < NR; k++) s[k] += q0[k * Dp + d] * kt;
+                }
+            } else {
+                for (int64_t k = 0; k < nr; k++) {
+                    const float *qr = Q + (r0 + k) * Dp;
+                    for (int64_t jj = 0; jj < VL; jj++) sarr[jj] = dot(qr, krow[jj], D);
+                    s[k] = vload(sarr);
+                }
+            }
+            for (int64_t k = 0; k < nr; k++) {
+                const int64_t r = r0 + k;
+                const int64_t p = past + it.q0 + r / G; /* this row's position */
+                const int64_t lo = window > 0 ? p - window + 1 : 0;
+                const v16i j = lane + (int32_t)j0;
+                const v16i ok = (j <= (int32_t)p) & (j >= (int32_t)lo) & (lane < (int32_t)nk);
+                const v16f sc = vselect(ok, s[k], vsplat(-INFINITY));
+                const float mx = hmax(sc);
+                if (mx == -INFINITY) { /* nothing visible to this row here: leave it as it is */
+                    s[k] = (v16f){0};
+                    alpha[k] = 1.0f;
+                    continue;
+                }
+                const float m_new = fmaxf(mx, m[r]);
+                alpha[k] = exp2_neg(m[r] - m_new);
+                s[k] = vexp2_neg(sc - m_new);
+                l[r] = l[r] * alpha[k] + hsum(s[k]);
+                m[r] = m_new;
+            }
+            for (int64_t k = 0; k < nr; k += 4)
+                update_rows(acc + (r0 + k) * Dp, Dp, D, nr - k < 4 ? nr - k : 4, alpha + k, s + k, vrow, nk);
+        }
+    }
+    for (int64_t i = 0; i < nq; i++) {
+        for (int64_t h = 0; h < G; h++) {
+            const int64_t r = i * G + h;
+            float *dst = job->out + (row0 + it.q0 + i) * H * D + (it.kv_head * G + h) * D;
+            const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+            for (int64_t d = 0; d < D; d++) dst[d] = acc[r * Dp + d] * inv;
+        }
+    }
+    free(mem);
+}
+
+static void run_item_cb(void *job, size_t index) { run_item((Job *)job, index); }
+
+/* ---- tensor access ----------------------------------------------------------------------------------- */
+
+typedef struct {
+    void *data;
+    int64_t dims[4];
+    size_t rank;
+    ONNXTensorElementDataType type;
+} Tensor;
+
+static OrtStatus *read_input(OrtKernelContext *ctx, size_t index, Tensor *t) {
+    const OrtValue *v = NULL;
+    OrtStatus *st = ORT_FN(g_api, KernelContext_GetInput, OrtKernelContextGetInputFn)(ctx, index, &v);
+    if (st) return st;
+    if (!v) return status(ORT_INVALID_ARGUMENT, "optimize.PagedAttention: a required input is missing");
+    OrtTensorTypeAndShapeInfo *info = NULL;
+    if ((st = ORT_FN(g_api, GetTensorTypeAndShape, OrtGetTensorTypeAndShapeFn)(v, &info))) return st;
+    st = ORT_FN(g_api, GetTensorElementType, OrtGetTensorElementTypeFn)(info, &t->type);
+    if (!st) st = ORT_FN(g_api, GetDimensionsCount, OrtGetDimensionsCountFn)(info, &t->rank);
+    if (!st && t->rank > 4) st = status(ORT_INVALID_ARGUMENT, "optimize.PagedAttention: input rank above 4");
+    if (!st) st = ORT_FN(g_api, GetDimensions, OrtGetDimensionsFn)(info, t->dims, t->rank);
+    ORT_FN(g_api, ReleaseTensorTypeAndShapeInfo, OrtReleaseTensorTypeAndShapeInfoFn)(info);
+    if (st) return st;
+    return ORT_FN(g_api, GetTensorMutableData, OrtGetTensorMutableDataFn)((OrtValue *)v, &t->data);
+}
+
+#define FAIL(...)                                                                                          \
+    do {                                                                                                   \
+        snprintf(msg, sizeof msg, "optimize.PagedAttention: " __VA_ARGS__);                                \
+        return status(ORT_INVALID_ARGUMENT, msg);                                                          \
+    } while (0)
+
+static OrtStatus *compute(void *op_kernel, OrtKernelContext *ctx) {
+    const Kernel *k = (const Kernel *)op_kernel;
+    char msg[256];
+    Tensor in[8];
+    size_t count = 0;
+    OrtStatus *st = ORT_FN(g_api, KernelContext_GetInputCount, OrtKernelContextGetInputCountFn)(ctx, &count);
+    if (st) return st;
+    if (count != 8) FAIL("expects 8 inputs, got %zu", count);
+    for (size_t i = 0; i < 8; i++)
+        if ((st = read_input(ctx, i, &in[i]))) return st;
+    static const char *names[8] = {"query", "key", "value", "key_cache", "value_cache", "cu_seqlens",
+                                   "past_lens", "block_table"};
+    static const size_t ranks[8] = {2, 2, 2, 4, 4, 1, 1, 2};
+    for (int i = 0; i < 8; i++) {
+        const ONNXTensorElementDataType want = i < 5 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT
+                                                     : ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
+        if (in[i].type != want) FAIL("%s must be %s", names[i], i < 5 ? "float32" : "int32");
+        if (in[i].rank != ranks[i]) FAIL("%s must have rank %zu, has %zu", names[i], ranks[i], in[i].rank);
+    }
+    const int64_t T = in[0].dims[0], H = k->num_heads, KVH = k->kv_heads;
+    const int64_t NB = in[3].dims[0], BS = in[3].dims[1], D = in[3].dims[3];
+    const int64_t B = in[6].dims[0], MB = in[7].dims[1];
+    if (in[3].dims[2] != KVH) FAIL("key_cache has %lld KV heads, kv_num_heads is %lld",
+                                   (long long)in[3].dims[2], (long long)KVH);
+    for (int d = 0; d < 4; d++)
+        if (in[4].dims[d] != in[3].dims[d]) FAIL("value_cache's shape differs from key_cache's");
+    if (in[0].dims[1] != H * D) FAIL("query has %lld columns, num_heads * head_dim is %lld",
+                                     (long long)in[0].dims[1], (long long)(H * D));
+    for (int i = 1; i < 3; i++)
+        if (in[i].dims[0] != T || in[i].dims[1] != KVH * D) FAIL("%s must be [T, kv_num_heads * head_dim]", names[i]);
+    if (in[5].dims[0] != B + 1) FAIL("cu_seqlens must have past_lens' length + 1");
+    if (in[7].dims[0] != B) FAIL("block_table must have one row per sequence");
+    if (BS <= 0) FAIL("block_size must be positive");
+    const int32_t *cu = (const int32_t *)in[5].data, *past = (const int32_t *)in[6].data;
+    const int32_t *bt = (const int32_t *)in[7].data;
+    if (B >= 0 && cu[0] != 0) FAIL("cu_seqlens must start at 0");
+    if (cu[B] != T) FAIL("cu_seqlens must end at the number of tokens (%lld)", (long long)T);
+    int64_t work = 0;
+    for (int64_t b = 0; b < B; b++) {
+        if (cu[b + 1] < cu[b]) FAIL("cu_seqlens must not decrease");
+        if (past[b] < 0) FAIL("past_lens must not be negative");
+        const int64_t total = (int64_t)past[b] + (cu[b + 1] - cu[b]);
+        if (total == 0) continue;
+        const int64_t need = (total + BS - 1) / BS;
+        if (need > MB) FAIL("sequence %lld needs %lld blocks, its block_table row has %lld",
+                            (long long)b, (long long)need, (long long)MB);
+        for (int64_t j = 0; j < need; j++) {
+            const int32_t blk = bt[b * MB + j];
+            if (blk < 0 || blk >= NB) FAIL("block_table[%lld][%lld] = %d is outside the pool of %lld blocks",
+                                           (long long)b, (long long)j, blk, (long long)NB);
+        }
+        const int64_t n = cu[b + 1] - cu[b];
+        work += n * (k->window > 0 && k->window < total ? k->window : total) * H * D;
+    }
+
+    int64_t out_dims[2] = {T, H * D};
+    OrtValue *out_value = NULL;
+    if ((st = ORT_FN(g_api, KernelContext_GetOutput, OrtKernelContextGetOutputFn)(ctx, 0, out_dims, 2, &out_value)))
+        return st;
+    if (T == 0) return NULL;
+    float *out = NULL;
+    if ((st = ORT_FN(g_api, GetTensorMutableData, OrtGetTensorMutableDataFn)(out_value, (void **)&out))) return st;
+
+    /* this step's K/V into the pools, in place */
+    float *kc = (float *)in[3].data, *vc = (float *)in[4].data;
+    const float *knew = (const float *)in[1].data, *vnew = (const float *)in[2].data;
+    const size_t row_bytes = sizeof(float) * (size_t)(KVH * D);
+    for (int64_t b = 0; b < B; b++) {
+        for (int64_t t = cu[b]; t < cu[b + 1]; t++) {
+            const int64_t p = past[b] + (t - cu[b]);
+            const int64_t slot = (int64_t)bt[b * MB + p / BS] * BS + p % BS;
+            memcpy(kc + slot * KVH * D, knew + t * KVH * D, row_bytes);
+            memcpy(vc + slot * KVH * D, vnew + t * KVH * D, row_bytes);
+        }
+    }
+
+    const int64_t G = H / KVH;
+    /* query tokens per tile: at most ROWS_TARGET rows, a multiple of NR rows where G allows */
+    int64_t step = NR;
+    while (step > 1 && (G * step) % (2 * NR) == 0) step /= 2;
+    while (step > 1 && (G * (step / 2)) % NR == 0) step /= 2;
+    int64_t qt = ROWS_TARGET / G / step * step;
+    if (qt < 1) qt = ROWS_TARGET / G > 0 ? ROWS_TARGET / G : 1;
+    int64_t n_items = 0;
+    for (int64_t b = 0; b < B; b++) n_items += KVH * ((cu[b + 1] - cu[b] + qt - 1) / qt);
+    Item *items = (Item *)malloc(sizeof(Item) * (size_t)(n_items > 0 ? n_items : 1));
+    if (!items) return status(ORT_FAIL, "optimize.PagedAttention: out of memory");
+    int64_t n = 0;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t len = cu[b + 1] - cu[b];
+        for (int64_t q1 = len; q1 > 0; q1 -= qt) { /* last tiles (the longest) first */
+            const int64_t q0 = q1 - qt > 0 ? q1 - qt : 0;
+            for (int64_t g = 0; g < KVH; g++) items[n++] = (Item){(int32_t)b, (int32_t)g, (int32_t)q0, (int32_t)q1};
+        }
+    }
+    Job job = {(const float *)in[0].data, kc, vc, cu, past, bt, out, MB, BS, H, KVH, D, G, k->window,
+               k->scale * 1.4426950408889634f, items, 0};
+    OrtKernelContextParallelForFn parallel_for =
+        ORT_FN(g_api, KernelContext_ParallelFor, OrtKernelContextParallelForFn);
+    if (work >= k->inline_work && n_items > 1) {
+        st = parallel_for(ctx, run_item_cb, (size_t)n_items, 0, &job);
+    } else {
+        for (int64_t i = 0; i < n_items; i++) run_item(&job, (size_t)i);
+    }
+    free(items);
+    if (st) return st;
+    if (job.failed) return status(ORT_FAIL, "optimize.PagedAttention: out of memory for a work item's scratch");
+    return NULL;
+}
+
+/* ---- the OrtCustomOp callbacks ----------------------------------------------------------------------- */
+
+static OrtStatus *create_kernel(const OrtCustomOp *op, const OrtApi *api, const OrtKernelInfo *info, void **out) {
+    (void)op;
+    (void)api;
+    char msg[256];
+    Kernel *k = (Kernel *)calloc(1, sizeof(Kernel));
+    if (!k) return status(ORT_FAIL, "optimize.PagedAttention: out of memory");
+    OrtStatus *st = ORT_FN(g_api, KernelInfoGetAttribute_int64, OrtKernelInfoGetAttributeInt64Fn)(
+        info, "num_heads", &k->num_heads);
+    if (!st) st = ORT_FN(g_api, KernelInfoGetAttribute_int64, OrtKernelInfoGetAttributeInt64Fn)(
+        info, "kv_num_heads", &k->kv_heads);
+    if (!st) st = ORT_FN(g_api, KernelInfoGetAttribute_float, OrtKernelInfoGetAttributeFloatFn)(
+        info, "scale", &k->scale);
+    if (!st) st = ORT_FN(g_api, KernelInfoGetAttribute_int64, OrtKernelInfoGetAttributeInt64Fn)(
+        info, "local_window_size", &k->window);
+    if (!st && (k->num_heads <= 0 || k->kv_heads <= 0 || k->num_heads % k->kv_heads)) {
+        snprintf(msg, sizeof msg, "optimize.PagedAttention: num_heads %lld must be a positive multiple of "
+                 "kv_num_heads %lld", (long long)k->num_heads, (long long)k->kv_heads);
+        st = status(ORT_INVALID_ARGUMENT, msg);
+    }
+    if (st) {
+        free(k);
+        return st;
+    }
+    /* OPTIMIZE_PAGED_CPU_INLINE_WORK overrides the threshold (0: always the thread pool; tests use it) */
+    const char *env = getenv("OPTIMIZE_PAGED_CPU_INLINE_WORK");
+    k->inline_work = env && *env ? strtoll(env, NULL, 10) : INLINE_WORK;
+    *out = k;
+    return NULL;
+}
+
+static void *create_kernel_v1(const OrtCustomOp *op, const OrtApi *api, const OrtKernelInfo *info) {
+    void *k = NULL;
+    OrtStatus *st = create_kernel(op, api, info, &k);
+    if (st) ORT_FN(g_api, ReleaseStatus, OrtReleaseStatusFn)(st);
+    return k;
+}
+
+static void compute_v1(void *op_kernel, OrtKernelContext *ctx) {
+    OrtStatus *st = compute(op_kernel, ctx);
+    if (st) ORT_FN(g_api, ReleaseStatus, OrtReleaseStatusFn)(st);
+}
+
+static void destroy_kernel(void *op_kernel) { free(op_kernel); }
+static const char *op_name(const OrtCustomOp *op) { (void)op; return OP_NAME; }
+static const char *op_provider(const OrtCustomOp *op) { (void)op; return "CPUExecutionProvider"; }
+static ONNXTensorElementDataType input_type(const OrtCustomOp *op, size_t i) {
+    (void)op;
+    return i < 5 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
+}
+static size_t input_count(const OrtCustomOp *op) { (void)op; return 8; }
+static ONNXTensorElementDataType output_type(const OrtCustomOp *op, size_t i) {
+    (void)op; (void)i;
+    return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+}
+static size_t output_count(const OrtCustomOp *op) { (void)op; return 1; }
+static OrtCustomOpInputOutputCharacteristic required(const OrtCustomOp *op, size_t i) {
+    (void)op; (void)i;
+    return INPUT_OUTPUT_REQUIRED;
+}
+static OrtMemType input_mem(const OrtCustomOp *op, size_t i) { (void)op; (void)i; return OrtMemTypeDefault; }
+static int one(const OrtCustomOp *op) { (void)op; return 1; }
+static int start_version(const OrtCustomOp *op) { (void)op; return 1; }
+static int end_version(const OrtCustomOp *op) { (void)op; return INT_MAX; }
+static size_t no_pairs(int **in, int **out) { *in = NULL; *out = NULL; return 0; }
+static void release_pairs(int *in, int *out) { (void)in; (void)out; }
+
+static OrtCustomOp g_op = {
+    ORT_API_VERSION_USED, create_kernel_v1, op_name, op_provider, input_type, input_count, output_type,
+    output_count, compute_v1, destroy_kernel, required, required, input_mem, one, one, one, one,
+    create_kernel, compute, NULL, start_version, end_version, no_pairs, release_pairs, no_pairs, release_pairs,
+};
+
+/* ONNX Runtime's entry point for SessionOptions.register_custom_ops_library. */
+__attribute__((visibility("default")))
+OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *api_base) {
+    if (!g_api) {
+        const OrtApi *api = api_base->GetApi(ORT_API_VERSION_USED);
+        if (!api) {
+            /* every runtime serves version 1 of the table, whose slot 0 is CreateStatus */
+            char msg[160];
+            snprintf(msg, sizeof msg, "optimize.PagedAttention: ONNX Runtime %s is older than API version %d "
+                     "(onnxruntime 1.%d)", api_base->GetVersionString(), ORT_API_VERSION_USED, ORT_API_VERSION_USED);
+            return ORT_FN(api_base->GetApi(1), CreateStatus, OrtCreateStatusFn)(ORT_FAIL, msg);
+        }
+        const char *info = ORT_FN(api, GetBuildInfoString, OrtGetBuildInfoStringFn)();
+        if (!info || strncmp(info, "ORT Build Info", 14) != 0)
+            return ORT_FN(api, CreateStatus, OrtCreateStatusFn)(
+                ORT_FAIL, "optimize.PagedAttention: the OrtApi table's layout is not the one this library declares");
+        g_api = api;
+    }
+    OrtStatus *st = NULL;
+    if (!g_domain) {
+        if ((st = ORT_FN(g_api, CreateCustomOpDomain, OrtCreateCustomOpDomainFn)(DOMAIN, &g_domain))) return st;
+        if ((st = ORT_FN(g_api, CustomOpDomain_Add, OrtCustomOpDomainAddFn)(g_domain, &g_op))) return st;
+    }
+    return ORT_FN(g_api, AddCustomOpDomain, OrtAddCustomOpDomainFn)(options, g_domain);
+}

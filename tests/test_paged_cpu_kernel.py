@@ -1,0 +1,202 @@
+"""The C paged-attention kernel (optimize.PagedAttention, runtime/kernels/paged_attention_cpu.c) in a real
+ONNX Runtime session against the reference attention (runtime/kernels/paged_attention.py).
+
+Hypothesis draws whole steps: several sequences mixing prefill chunks (with and without past), decode
+tokens and sequences with no new token; block sizes 1/4/16; MHA, GQA and MQA; head dims that are and
+are not multiples of the kernel's 16-lane vectors; sliding windows shorter and longer than the context;
+block tables in random order with unused (-1) tails. Each step checks the output against the reference
+and that the step's K/V landed in the pools at exactly the slots the scheduler would assign, with every
+other pool entry untouched. The same cases run with the work split over ONNX Runtime's thread pool
+(OPTIMIZE_PAGED_CPU_INLINE_WORK=0) and inline. Malformed steps are refused before anything is written.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from onnx import TensorProto, helper
+
+from runtime.kernels import paged_attention_cpu as pk
+from runtime.kernels.paged_attention import paged_attention_reference
+
+TOL = 2e-5  # relative to the output's scale; float32 accumulation, ~2 ulp exp2
+
+
+def op_model(num_heads: int, kv_heads: int, head_dim: int, scale: float, window: int) -> bytes:
+    node = helper.make_node("PagedAttention", ["q", "k", "v", "kc", "vc", "cu", "past", "bt"], ["o"],
+                            domain=pk.DOMAIN, num_heads=num_heads, kv_num_heads=kv_heads, scale=scale,
+                            local_window_size=window)
+    f = helper.make_tensor_value_info
+    inputs = [f("q", TensorProto.FLOAT, ["T", num_heads * head_dim]),
+              f("k", TensorProto.FLOAT, ["T", kv_heads * head_dim]),
+              f("v", TensorProto.FLOAT, ["T", kv_heads * head_dim]),
+              f("kc", TensorProto.FLOAT, ["NB", "BS", kv_heads, head_dim]),
+              f("vc", TensorProto.FLOAT, ["NB", "BS", kv_heads, head_dim]),
+              f("cu", TensorProto.INT32, ["B1"]), f("past", TensorProto.INT32, ["B"]),
+              f("bt", TensorProto.INT32, ["B", "MB"])]
+    graph = helper.make_graph([node], "paged", inputs, [f("o", TensorProto.FLOAT, ["T", num_heads * head_dim])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(pk.DOMAIN, 1)])
+    return model.SerializeToString()
+
+
+def session(num_heads: int, kv_heads: int, head_dim: int, scale: float, window: int,
+            threads: int = 1) -> ort.InferenceSession:
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    pk.register(so)
+    return ort.InferenceSession(op_model(num_heads, kv_heads, head_dim, scale, window), so,
+                                providers=["CPUExecutionProvider"])
+
+
+def make_step(rng: np.random.Generator, pasts: list[int], news: list[int], block_size: int, kv_heads: int,
+              head_dim: int, num_heads: int, spare_blocks: int = 3) -> dict[str, np.ndarray]:
+    need = [-(-(p + n) // block_size) for p, n in zip(pasts, news, strict=True)]
+    num_blocks = sum(need) + spare_blocks
+    perm = rng.permutation(num_blocks).astype(np.int32)  # blocks out of order, some never used
+    width = max(need + [1]) + 1  # an unused (-1) tail on every row
+    table = np.full((len(pasts), width), -1, np.int32)
+    k = 0
+    for i, n in enumerate(need):
+        table[i, :n] = perm[k:k + n]
+        k += n
+    t = sum(news)
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    return {
+        "q": rng.standard_normal((t, num_heads * head_dim), dtype=np.float32),
+        "k": rng.standard_normal((t, kv_heads * head_dim), dtype=np.float32),
+        "v": rng.standard_normal((t, kv_heads * head_dim), dtype=np.float32),
+        "kc": rng.standard_normal(shape, dtype=np.float32),
+        "vc": rng.standard_normal(shape, dtype=np.float32),
+        "cu": np.cumsum([0] + news).astype(np.int32),
+        "past": np.array(pasts, np.int32),
+        "bt": table,
+    }
+
+
+def reference(feeds: dict[str, np.ndarray], num_heads: int, kv_heads: int, window: int, scale: float) -> np.ndarray:
+    args = [torch.from_numpy(feeds[n].copy()) for n in ("q", "k", "v", "kc", "vc", "cu", "past", "bt")]
+    return paged_attention_reference(*args, num_heads, kv_heads, max(window, 0), scale).numpy()
+
+
+def written_slots(feeds: dict[str, np.ndarray], block_size: int) -> np.ndarray:
+    """The slots the runtime's scheduler assigns to the step's tokens (block_id * block_size + offset)."""
+    cu, past, table = feeds["cu"], feeds["past"], feeds["bt"]
+    seq = np.repeat(np.arange(len(past)), np.diff(cu))
+    pos = past[seq] + (np.arange(cu[-1]) - cu[seq])
+    return table[seq, pos // block_size].astype(np.int64) * block_size + pos % block_size
+
+
+def check_step(feeds: dict[str, np.ndarray], num_heads: int, kv_heads: int, head_dim: int, block_size: int,
+               window: int, scale: float, threads: int) -> None:
+    want = reference(feeds, num_heads, kv_heads, window, scale)
+    kc0, vc0 = feeds["kc"].copy(), feeds["vc"].copy()
+    got = session(num_heads, kv_heads, head_dim, scale, window, threads).run(None, feeds)[0]
+    assert got.shape == want.shape
+    err = np.abs(got - want).max(initial=0.0) / max(1.0, float(np.abs(want).max(initial=0.0)))
+    assert err < TOL, f"max relative error {err:.3g}"
+    slots = written_slots(feeds, block_size)
+    rows = kv_heads * head_dim
+    for pool, before, new in ((feeds["kc"], kc0, feeds["k"]), (feeds["vc"], vc0, feeds["v"])):
+        flat, flat0 = pool.reshape(-1, rows), before.reshape(-1, rows)
+        np.testing.assert_array_equal(flat[slots], new)  # the step's K/V, in place
+        keep = np.setdiff1d(np.arange(flat.shape[0]), slots)
+        np.testing.assert_array_equal(flat[keep], flat0[keep])  # nothing else touched
+
+
+@st.composite
+def steps(draw: st.DrawFn) -> dict:
+    kv_heads = draw(st.sampled_from([1, 2, 3]))
+    group = draw(st.sampled_from([1, 2, 3, 4, 8]))
+    head_dim = draw(st.sampled_from([8, 16, 24, 32, 40, 64]))
+    block_size = draw(st.sampled_from([1, 4, 16]))
+    n = draw(st.integers(1, 5))
+    pasts = draw(st.lists(st.integers(0, 70), min_size=n, max_size=n))
+    news = draw(st.lists(st.sampled_from([0, 1, 1, 2, 7, 19, 40]), min_size=n, max_size=n))
+    window = draw(st.sampled_from([-1, -1, 1, 5, 33]))
+    scale = draw(st.sampled_from([None, 0.05]))
+    seed = draw(st.integers(0, 2**31 - 1))
+    return dict(kv_heads=kv_heads, num_heads=kv_heads * group, head_dim=head_dim, block_size=block_size,
+                pasts=pasts, news=news, window=window, scale=scale, seed=seed)
+
+
+@pytest.mark.parametrize("threads", [1, 2], ids=["inline", "thread_pool"])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=steps())
+def test_kernel_matches_reference_and_writes_the_pools(case: dict, threads: int,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    # thread_pool: every step is split over ONNX Runtime's intra-op pool however small
+    monkeypatch.setenv("OPTIMIZE_PAGED_CPU_INLINE_WORK", "0" if threads > 1 else str(1 << 62))
+    rng = np.random.default_rng(case["seed"])
+    scale = case["scale"] or 1.0 / np.sqrt(case["head_dim"])
+    feeds = make_step(rng, case["pasts"], case["news"], case["block_size"], case["kv_heads"], case["head_dim"],
+                      case["num_heads"])
+    check_step(feeds, case["num_heads"], case["kv_heads"], case["head_dim"], case["block_size"], case["window"],
+               float(scale), threads)
+
+
+def test_long_prefill_and_large_decode_batch_through_the_thread_pool() -> None:
+    """Shapes of a real server step: a 300-token prefill beside 24 decode tokens at up to 500 past,
+    head_dim 64, GQA 12/4, split over two threads by the default threshold."""
+    rng = np.random.default_rng(7)
+    pasts = [0] + rng.integers(1, 500, 24).tolist()
+    news = [300] + [1] * 24
+    feeds = make_step(rng, pasts, news, 16, 4, 64, 12)
+    os.environ.pop("OPTIMIZE_PAGED_CPU_INLINE_WORK", None)
+    check_step(feeds, 12, 4, 64, 16, -1, 0.125, threads=2)
+
+
+def refused(feeds: dict[str, np.ndarray], match: str, window: int = -1) -> None:
+    kc0, vc0 = feeds["kc"].copy(), feeds["vc"].copy()
+    with pytest.raises(Exception, match=match):
+        session(4, 2, 16, 0.25, window).run(None, feeds)
+    np.testing.assert_array_equal(feeds["kc"], kc0)
+    np.testing.assert_array_equal(feeds["vc"], vc0)
+
+
+def test_malformed_steps_are_refused_before_any_write() -> None:
+    rng = np.random.default_rng(3)
+    base = make_step(rng, [5, 20], [3, 1], 4, 2, 16, 4)
+    bad = {k: v.copy() for k, v in base.items()}
+    bad["bt"][1, 0] = bad["kc"].shape[0]  # a block outside the pool
+    refused(bad, "outside the pool")
+    bad = {k: v.copy() for k, v in base.items()}
+    bad["bt"][0, 1] = -1  # a block the sequence needs is unassigned
+    refused(bad, "outside the pool")
+    bad = {k: v.copy() for k, v in base.items()}
+    bad["bt"] = bad["bt"][:, :2]  # sequence 1 needs 6 blocks
+    refused(bad, "needs 6 blocks")
+    bad = {k: v.copy() for k, v in base.items()}
+    bad["cu"] = np.array([0, 3, 3], np.int32)  # does not end at T = 4
+    refused(bad, "must end at the number of tokens")
+    bad = {k: v.copy() for k, v in base.items()}
+    bad["past"] = np.array([5, -1], np.int32)
+    refused(bad, "must not be negative")
+    bad = {k: v.copy() for k, v in base.items()}
+    bad["vc"] = bad["vc"][:-1].copy()  # a value pool one block shorter than the key pool
+    refused(bad, "value_cache's shape differs")
+
+
+def test_the_library_refuses_an_older_onnxruntime_and_reports_a_missing_build(monkeypatch) -> None:
+    with pytest.raises(pk.KernelLibraryError, match=r">= 1\.20"):
+        pk.check_onnxruntime_version("1.19.2")
+    pk.check_onnxruntime_version("1.20.0")
+    pk.check_onnxruntime_version(ort.__version__)
+    pk.library_path.cache_clear()
+    monkeypatch.setattr(pk, "MODULE", "runtime.kernels._no_such_library")
+    try:
+        with pytest.raises(pk.KernelLibraryError, match="not built"):
+            pk.library_path()
+    finally:
+        pk.library_path.cache_clear()
+
+
+def test_a_graph_with_the_op_does_not_load_without_the_library() -> None:
+    """The op exists only through the library: ONNX Runtime alone refuses the graph."""
+    with pytest.raises(Exception, match="PagedAttention"):
+        ort.InferenceSession(op_model(4, 2, 16, 0.25, -1), providers=["CPUExecutionProvider"])
