@@ -19,12 +19,13 @@ setup(
         ),
         # Not a Python module: a custom-op library that ONNX Runtime loads (SessionOptions.
         # register_custom_ops_library); runtime/kernels/paged_attention_cpu.py finds and registers it.
-        # gnu11 allows fused multiply-add (tolerance-tested against the reference attention).
+        # gnu11 allows fused multiply-add (tolerance-tested against the reference attention); -Wno-psabi: the
+        # 64-byte vector types only cross static inline helpers, never an ABI boundary.
         Extension(
             "runtime.kernels._paged_attention_cpu",
             sources=["runtime/kernels/paged_attention_cpu.c"],
             depends=["runtime/kernels/ort_api.h"],
-            extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wextra", "-fno-trapping-math"],
+            extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wextra", "-Wno-psabi", "-fno-trapping-math"],
         ),
     ]
 )

@@ -395,6 +395,9 @@ def pass_changes(entry: dict[str, Any]) -> str:
     parts: list[str] = []
     if "nodes_before" in st and ("nodes_after" in st or "nodes" in st):
         parts.append(f"nodes {st['nodes_before']} -> {st.get('nodes_after', st.get('nodes'))}")
+        per_layer = st.get("nodes_per_layer")
+        if isinstance(per_layer, dict) and per_layer.get("before") and per_layer.get("after"):
+            parts[-1] += f" (per decoder layer {per_layer['before']} -> {per_layer['after']})"
     elif "nodes" in st or "graph_nodes" in st:
         parts.append(f"nodes {st.get('nodes', st.get('graph_nodes'))}")
     fusions = st.get("fusions")

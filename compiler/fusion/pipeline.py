@@ -4,6 +4,8 @@ compiler/fusion/__init__.py)."""
 from __future__ import annotations
 
 import contextlib
+import re
+import statistics
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -27,6 +29,31 @@ IMPLEMENTATION = {
 DEFAULT_DOMAIN_CONTRIB_OPS = ("SimplifiedLayerNormalization",)
 
 
+_LAYER = re.compile(r"(?:^|[./_])layers\.(\d+)\.")
+_TAIL = re.compile(r"(?:^|[./_])(?:norm\.weight|lm_head\.)")
+
+
+def nodes_per_layer(model: onnx.ModelProto) -> int | None:
+    """Nodes of a typical decoder layer (the median over layers), or None when the graph names no layers.
+
+    Nodes are in export order, layer after layer: a node that reads a weight of layer i starts or
+    continues layer i, and nodes that read no weight belong to the layer in progress; nodes before the
+    first layer weight and from the final norm's or lm_head's weight on are outside every layer."""
+    weights = {t.name for t in model.graph.initializer}
+    counts: dict[int, int] = {}
+    layer: int | None = None
+    for node in model.graph.node:
+        named = [x for x in node.input if x in weights]
+        found = [int(m.group(1)) for x in named if (m := _LAYER.search(x))]
+        if found:
+            layer = max(found)
+        elif layer is not None and any(_TAIL.search(x) for x in named):  # final norm, lm_head
+            break
+        if layer is not None:
+            counts[layer] = counts.get(layer, 0) + 1
+    return int(statistics.median(counts.values())) if counts else None
+
+
 def fuse_model(model: onnx.ModelProto, rules: Sequence[str], rope_cache_rows: int
                ) -> tuple[onnx.ModelProto, dict[str, Any]]:
     """Apply `rules` (names from RULES, run in RULES order); returns (model, stats).
@@ -37,6 +64,7 @@ def fuse_model(model: onnx.ModelProto, rules: Sequence[str], rope_cache_rows: in
         raise ValueError(f"unknown fusion rule(s) {unknown}; known: {list(RULES)}")
     enabled = [r for r in RULES if r in rules]
     nodes_before = len(model.graph.node)
+    per_layer_before = nodes_per_layer(model)
     io_before = ([i.name for i in model.graph.input], [o.name for o in model.graph.output])
     reports: dict[str, RuleReport] = {r: RuleReport() for r in RULES}
 
@@ -68,6 +96,7 @@ def fuse_model(model: onnx.ModelProto, rules: Sequence[str], rope_cache_rows: in
         "fusions": {r: reports[r].fired for r in RULES},
         "nodes_before": nodes_before,
         "nodes_after": len(model.graph.node),
+        "nodes_per_layer": {"before": per_layer_before, "after": nodes_per_layer(model)},
         "op_types": dict(sorted(ops.items())),
         "implementation": {r: IMPLEMENTATION[r] for r in enabled},
     }

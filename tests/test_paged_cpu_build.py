@@ -1,0 +1,85 @@
+"""The paged_cpu attention variant in a build: what the rule table picks, what the artifact says, how the
+backend runs it, and where the variant is refused.
+
+The demo artifact shared by the suite is built with the rule table (--no-autotune), whose first choice on
+ONNX Runtime CPU is paged_cpu, so the engine tests (prefix caching, copy-on-write, preemption) and the
+server tests run through the C kernel; this file checks that this is so and what the artifact records.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from conftest import make_random_checkpoint, write_recipe
+
+from compiler.build import build
+from compiler.fusion.pipeline import nodes_per_layer
+from runtime.artifact import pass_changes
+from runtime.engine import LLMEngine
+from runtime.sampling import SamplingParams
+
+
+def test_the_demo_artifact_runs_the_kernel(demo_artifact: Path) -> None:
+    manifest = json.loads((demo_artifact / "manifest.json").read_text())
+    assert manifest["kernels"]["attention"]["variant"] == "paged_cpu"
+    assert manifest["kernels"]["attention"]["implementation"] == "optimize.PagedAttention"
+    runtime = json.loads((demo_artifact / "runtime.json").read_text())
+    assert runtime["graph"]["kv_write"] == "graph"
+    model = onnx.load(str(demo_artifact / "model.onnx"), load_external_data=False)
+    attention = [n for n in model.graph.node if n.op_type == "PagedAttention"]
+    assert len(attention) == 6 and all(n.domain == "optimize" for n in attention)
+    assert {"key_cache.0", "value_cache.0"} <= set(attention[0].input)  # the pools, read and written in place
+    engine = LLMEngine(demo_artifact)
+    assert engine.backend.kv_in_graph
+    # the step's K/V go into the pools through the graph: a prefill fills exactly the slots it was given
+    before = [p.copy() for p in engine.backend.k_pools]
+    engine.add_request("a", list(range(3, 40)), SamplingParams(max_tokens=1, temperature=0.0))
+    while engine.has_unfinished():
+        engine.step()
+    changed = [int(np.any(p != b, axis=(1, 2, 3)).sum()) for p, b in zip(engine.backend.k_pools, before, strict=True)]
+    assert changed == [3] * 6  # 37 prompt tokens -> 3 blocks of 16, in every layer
+
+
+def test_fusion_reports_nodes_per_decoder_layer(demo_artifact: Path) -> None:
+    manifest = json.loads((demo_artifact / "manifest.json").read_text())
+    fuse = next(p for p in manifest["passes"] if p["name"] == "fuse")
+    per_layer = fuse["stats"]["nodes_per_layer"]
+    # a layer: QKV, its split, reshapes, two rotations, attention, o_proj, skip-norm, gate/up, split,
+    # activation, mul, down (no gather of the past, no masks)
+    assert per_layer["before"] > per_layer["after"] and per_layer["after"] <= 24
+    assert f"(per decoder layer {per_layer['before']} -> {per_layer['after']})" in pass_changes(fuse)
+    model = onnx.load(str(demo_artifact / "model.onnx"), load_external_data=False)
+    assert nodes_per_layer(model) == per_layer["after"]
+    assert len(model.graph.node) == fuse["stats"]["nodes_after"]
+
+
+def test_a_quantized_kv_cache_takes_another_variant(tmp_path: Path) -> None:
+    """int8 pools: the kernel reads float32 pools only, so the rule table falls through with the reason."""
+    ckpt = make_random_checkpoint(tmp_path / "ckpt", "LlamaForCausalLM", num_hidden_layers=1)
+    passes = ("  - name: select_attention\n    options: {autotune: false}\n  - name: capture\n"
+              "  - name: quantize_kv_cache\n    options: {dtype: int8}\n  - name: lower_onnx\n"
+              "  - name: lower_quant\n  - name: package\n")
+    calib = tmp_path / "calib.txt"
+    calib.write_text("def f(x):\n    return x + 1\n" * 200, encoding="utf-8")
+    extra = f"calibration:\n  data: {calib}\n  num_samples: 2\n  seq_len: 32\n"
+    artifact = build(write_recipe(tmp_path, ckpt, name="kvq", passes=passes, extra=extra), progress=False)
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    sel = next(p for p in manifest["passes"] if p["name"] == "select_attention")["stats"]
+    reasons = {c["variant"]: c["reason"] for c in sel["candidates"]}
+    assert sel["choice"] == "decomposed" and "float32 pools" in reasons["paged_cpu"]
+    assert json.loads((artifact / "runtime.json").read_text())["graph"]["kv_write"] == "runtime"
+
+
+def test_forcing_the_kernel_on_a_gpu_target_is_refused(tmp_path: Path) -> None:
+    from compiler.passes.base import BuildError
+
+    ckpt = make_random_checkpoint(tmp_path / "ckpt", "LlamaForCausalLM", num_hidden_layers=1)
+    passes = "  - name: select_attention\n    options: {kernel: paged_cpu}\n  - name: capture\n  - name: package\n"
+    recipe = write_recipe(tmp_path, ckpt, name="torchgpu", passes=passes, backend="torch", device="cuda",
+                          dtype="float16")
+    with pytest.raises(BuildError, match="paged_cpu.*CPU execution provider only"):
+        build(recipe, progress=False)
