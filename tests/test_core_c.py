@@ -13,7 +13,6 @@ as a floor set from measured runs. Sampling equivalence is in test_sampling.py."
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from functools import partial
 
@@ -222,11 +221,6 @@ def test_copy_blocks_rejects_and_writes_nothing(impl) -> None:
 
 # ---- the scheduler, side by side ---------------------------------------------------------------
 
-# Examples of the random-stream test (tests/memcheck_suite.py runs fewer under AddressSanitizer);
-# the coverage floors below scale with it.
-STREAM_EXAMPLES = int(os.environ.get("OPTIMIZE_CORE_STREAM_EXAMPLES", "200"))
-
-
 def same_state(c, p) -> None:
     """Every observable of the C scheduler equals the twin's."""
     assert (c.num_waiting, c.num_running, c.num_free_blocks, c.num_preemptions, c.has_unfinished()) == \
@@ -268,8 +262,12 @@ def stream(draw: st.DrawFn):
     for _ in range(draw(st.integers(1, 12))):
         kind = draw(st.sampled_from(["stem", "block-aligned", "repeat", "fresh"]))
         stem = draw(st.sampled_from(stems))
-        if kind == "repeat" and reqs:  # an earlier prompt again: full hits and copy-on-write
-            prompt = list(draw(st.sampled_from(reqs))[1])
+        arrival = draw(st.integers(0, 30))
+        if kind == "repeat" and reqs:  # an earlier prompt again, or its full blocks: full hits, copy-on-write
+            src_arrival, src = draw(st.sampled_from(reqs))[:2]
+            whole = (len(src) // block_size) * block_size
+            prompt = list(src[:whole] if whole and draw(st.booleans()) else src)
+            arrival = src_arrival + draw(st.integers(0, 30))  # after it: its blocks may be cached by then
         elif kind == "block-aligned":
             prompt = stem[: max(1, (len(stem) // block_size) * block_size)]
         elif kind == "stem":
@@ -277,7 +275,7 @@ def stream(draw: st.DrawFn):
         else:
             prompt = draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=20))
         prompt = prompt or [0]
-        reqs.append((draw(st.integers(0, 30)), prompt, draw(st.integers(1, 10)),
+        reqs.append((arrival, prompt, draw(st.integers(1, 10)),
                      draw(st.one_of(st.none(), st.integers(0, 40))), draw(st.booleans())))
     longest = max(len(p) + m for _, p, m, _, _ in reqs)
     min_blocks = -(-longest // block_size)
@@ -391,31 +389,26 @@ def examples_with(totals: Counter, per_example: Counter) -> None:
         totals["examples_with_" + k] += v > 0
 
 
-def floor(n: int) -> int:
-    """A coverage floor set for STREAM_EXAMPLES = 200, scaled to the examples that run."""
-    return n * STREAM_EXAMPLES // 200
-
-
 def test_scheduler_matches_twin_on_random_streams() -> None:
     """200 hypothesis streams, C against the twin and every finished sequence against the oracle; the
-    streams must exercise what they are for. Measured on 200 examples (six runs): preemption in
-    13-37 streams, copy-on-write in 11-31, eviction in 75-86, aborts of live requests in 59-98,
-    prefix-cache hits in 55-83; 848-1,287 sequences checked against the oracle, 3,815-6,141 steps
-    (a sequence outgrowing the pool: 0-15 streams, not floored). The floors are about a third of
-    the lowest."""
+    streams must exercise what they are for. Measured on 200 examples (ten runs): preemption in
+    7-36 streams, copy-on-write in 10-51, eviction in 60-101, aborts of live requests in 51-108,
+    prefix-cache hits in 48-87; 926-1,120 sequences checked against the oracle, 3,929-5,935 steps
+    (a sequence outgrowing the pool: 0-8 streams, not floored). Hypothesis varies its streams from
+    run to run a lot, so the floors are well below the lowest."""
     seen: Counter = Counter()
 
-    @settings(max_examples=STREAM_EXAMPLES, deadline=None)
+    @settings(max_examples=200, deadline=None)
     @given(stream())
     def check(case) -> None:
         examples_with(seen, run_side_by_side(*case))
 
     check()
-    assert seen["examples"] >= STREAM_EXAMPLES, seen
-    for kind, n in [("preemptions", 4), ("copy_on_write", 4), ("evictions", 25), ("aborts", 20),
+    assert seen["examples"] >= 200, seen
+    for kind, n in [("preemptions", 3), ("copy_on_write", 3), ("evictions", 25), ("aborts", 20),
                     ("cache_hit_tokens", 20)]:
-        assert seen["examples_with_" + kind] >= floor(n), (kind, seen)
-    assert seen["finished_checked"] >= floor(300) and seen["steps"] >= floor(1500), seen
+        assert seen["examples_with_" + kind] >= n, (kind, seen)
+    assert seen["finished_checked"] >= 300 and seen["steps"] >= 1500, seen
 
 
 def test_scheduler_matches_twin_with_colliding_hashes() -> None:
@@ -425,15 +418,15 @@ def test_scheduler_matches_twin_with_colliding_hashes() -> None:
     Measured on 100 examples (six runs): collisions in 26-35 streams, 437-526 sequences checked."""
     seen: Counter = Counter()
 
-    @settings(max_examples=max(1, STREAM_EXAMPLES // 2), deadline=None)
+    @settings(max_examples=100, deadline=None)
     @given(stream(), st.integers(1, 4))
     def check(case, bits: int) -> None:
         with hash_bits(bits):
             examples_with(seen, run_side_by_side(*case))
 
     check()
-    assert seen["examples_with_collisions"] >= floor(10), seen
-    assert seen["finished_checked"] >= floor(150), seen
+    assert seen["examples_with_collisions"] >= 10, seen
+    assert seen["finished_checked"] >= 150, seen
 
 
 @pytest.mark.parametrize("seed", range(3))
