@@ -17,6 +17,7 @@ import sys
 import pytest
 from conftest import ROOT
 
+
 @pytest.mark.slow
 def test_memcheck_script_passes() -> None:
     env = {**os.environ, "PYTHON": sys.executable}
