@@ -429,6 +429,32 @@ def test_scheduler_matches_twin_with_colliding_hashes() -> None:
     assert seen["finished_checked"] >= 150, seen
 
 
+def test_hash_width_hook_defaults_to_64_bits_and_validates_alike() -> None:
+    """Production hashes are 64-bit (the hook's default); both cores check the width the same way, and
+    a scheduler keeps the width it was created with."""
+    for impl in (_core, reference):
+        assert impl.set_hash_bits_for_tests(64) == 64
+        for bad in (0, 65, -1):
+            with pytest.raises(ValueError, match=rf"hash bits must be in \[1, 64\], got {bad}"):
+                impl.set_hash_bits_for_tests(bad)
+        assert impl.set_hash_bits_for_tests(64) == 64
+    cfg = SchedulerConfig(block_size=2, num_blocks=8, max_num_seqs=2, max_num_batched_tokens=8, max_model_len=8,
+                          prefix_cache_seed=5)
+    hashes = {}
+    for bits in (64, 3):
+        with hash_bits(bits):
+            scheds = (CScheduler(cfg), reference.Scheduler(cfg))
+        for s in scheds:  # created under the hook, used after it
+            s.add(0, [1, 2, 3, 4, 5])
+            s.update(s.schedule(), {0: 6})
+        assert scheds[0].block_pool_state() == scheds[1].block_pool_state()
+        hashes[bits] = [h for _, h in scheds[1].block_pool_state()["cached"]]
+    key = reference.hash_key(5)
+    first = reference.block_hash(0, [1, 2], key)
+    assert hashes[64] == [first, reference.block_hash(first, [3, 4], key)]
+    assert hashes[3] == [first & 7, reference.block_hash(first & 7, [3, 4], key) & 7]
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_scheduler_matches_twin_on_long_busy_streams(seed: int) -> None:
     """Many overlapping requests with a common system prompt on a pool that keeps evicting; some
