@@ -6,13 +6,19 @@
 # Builds runtime.core._core with AddressSanitizer and UndefinedBehaviorSanitizer into a temporary
 # folder (a copy of runtime/ and of the core tests; the installed extension is never touched),
 # preloads libasan into Python with PYTHONMALLOC=malloc (so Python objects and PyMem buffers are
-# checked too) and runs the C-core tests there: test_core_c.py (C vs. twin streams, scatter, copies,
-# constructor and error paths), test_core_reference.py and test_prefix_cache.py (both impls),
-# test_sampling.py (C vs. twin sampling). Exits non-zero on any sanitizer report (any error
-# aborts the run) or test failure. Leaks of the core's own allocations are checked by
+# checked too) and runs the C-core tests listed in TESTS below there: test_core_c.py (C vs. twin
+# streams, scatter, copies, constructor and error paths), test_core_reference.py and
+# test_prefix_cache.py (both impls), test_sampling.py (C vs. twin sampling). Exits non-zero on any
+# sanitizer report (any error aborts the run), a test failure, no test run, or a missing libasan.
+# tests/test_memcheck.py runs this script in the default test suite (CI). Leaks of the core's own allocations are checked by
 # tests/test_core_c.py::test_no_memory_growth_over_many_schedulers_and_samples (tracemalloc);
 # LeakSanitizer is off because CPython itself keeps memory until exit.
 set -euo pipefail
+
+# The tests run under the sanitizers (files in tests/), and the helpers they import. A new test of
+# C code goes here.
+TESTS=(test_core_c.py test_core_reference.py test_prefix_cache.py test_sampling.py)
+HELPERS=(test_core_fixtures.py)
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PY=${PYTHON:-python3}
@@ -32,7 +38,9 @@ cp -r "$ROOT/runtime" "$TMP/runtime"
 find "$TMP/runtime" -name '_core*.so' -delete
 find "$TMP/runtime" -name '__pycache__' -prune -exec rm -rf {} +
 mkdir "$TMP/tests"
-cp "$ROOT"/tests/test_core_*.py "$ROOT/tests/test_sampling.py" "$ROOT/tests/test_prefix_cache.py" "$TMP/tests/"
+for f in "${TESTS[@]}" "${HELPERS[@]}"; do
+    cp "$ROOT/tests/$f" "$TMP/tests/"
+done
 printf '[pytest]\naddopts = -p no:cacheprovider\n' > "$TMP/pytest.ini"
 
 echo "memcheck: building the extension with -fsanitize=address,undefined"
@@ -53,7 +61,7 @@ if [[ "$where" != "$TMP"/* ]]; then
 fi
 echo "memcheck: running the core tests on $where"
 set +e
-LD_PRELOAD="$LIBASAN" "$PY" -m pytest -q tests "$@" 2>&1 | tee "$TMP/log.txt"
+LD_PRELOAD="$LIBASAN" "$PY" -m pytest -q "${TESTS[@]/#/tests/}" "$@" 2>&1 | tee "$TMP/log.txt"
 status=${PIPESTATUS[0]}
 set -e
 if compgen -G "$TMP/sanitizer*" > /dev/null; then
@@ -68,5 +76,9 @@ fi
 if [[ $status -ne 0 ]]; then
     echo "memcheck: FAILED (pytest exit status $status)" >&2
     exit "$status"
+fi
+if grep -qE "[0-9]+ skipped" "$TMP/log.txt" || ! grep -qE "^[0-9]+ passed" "$TMP/log.txt"; then
+    echo "memcheck: FAILED (tests were skipped or none passed)" >&2
+    exit 1
 fi
 echo "memcheck: OK (no AddressSanitizer/UBSan errors; tests passed)"

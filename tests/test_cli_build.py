@@ -175,10 +175,19 @@ def test_demo_build_as_in_the_readme_records_passes_kernels_and_timings(tmp_path
 
 @pytest.mark.slow
 def test_build_is_reproducible(demo_artifact: Path, tmp_path: Path) -> None:
-    from compiler.build import build
+    """`optimize build --no-autotune` in a fresh interpreter with another hash seed and another torch /
+    OpenMP thread count gives the session's in-process build byte for byte: manifest and payload."""
+    import torch
 
-    again = build(DEMO_RECIPE, progress=False, output=tmp_path / "again", autotune=False)
-    assert again != demo_artifact
+    threads = 1 if torch.get_num_threads() != 1 else 2  # torch caps its threads at the cores: go lower
+    seed = "271828" if os.environ.get("PYTHONHASHSEED") != "271828" else "314159"
+    env = {**os.environ, "PYTHONHASHSEED": seed, "OMP_NUM_THREADS": str(threads),
+           "MKL_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+    res = subprocess.run([*CLI, "build", "--no-progress", "--no-autotune", "-o", str(tmp_path / "again"),
+                          str(DEMO_RECIPE)], cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    again = tmp_path / "again" / demo_artifact.relative_to(demo_artifact.parents[1])
+    assert again.is_dir() and again != demo_artifact
     first_manifest = (demo_artifact / "manifest.json").read_bytes()
     assert (again / "manifest.json").read_bytes() == first_manifest
     manifest = json.loads(first_manifest)
@@ -193,6 +202,11 @@ def test_build_is_reproducible(demo_artifact: Path, tmp_path: Path) -> None:
     assert payload(again) == listed
     for rel in listed:
         assert (again / rel).read_bytes() == (demo_artifact / rel).read_bytes(), rel
+    # the other interpreter really differed: its torch thread count and its str hashes
+    probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads(), hash('optimize'))"],
+                           capture_output=True, text=True, timeout=120, env=env)
+    got_threads, got_hash = probe.stdout.split()
+    assert int(got_threads) == threads != torch.get_num_threads() and int(got_hash) != hash("optimize"), probe
 
 
 def test_existing_version_is_refused_and_left_untouched(demo_artifact: Path, tmp_path: Path) -> None:

@@ -33,6 +33,24 @@ if HAVE_C:
     SCHEDULERS.insert(0, pytest.param(CScheduler, id="c"))
 
 
+class hash_bits:  # noqa: N801 - used as a context manager, like a function
+    """Block hashes of the schedulers created inside narrowed to `bits` bits, in both cores (the
+    test-only hook `set_hash_bits_for_tests`), so that distinct blocks collide."""
+
+    def __init__(self, bits: int) -> None:
+        self.bits = bits
+
+    def __enter__(self) -> int:
+        self.saved = (reference.set_hash_bits_for_tests(self.bits),
+                      _core.set_hash_bits_for_tests(self.bits) if HAVE_C else None)
+        return self.bits
+
+    def __exit__(self, *exc: object) -> None:
+        reference.set_hash_bits_for_tests(self.saved[0])
+        if HAVE_C:
+            _core.set_hash_bits_for_tests(self.saved[1])
+
+
 def next_token(history: list[int]) -> int:
     h = 0
     for t in history:

@@ -3,10 +3,13 @@
 For the demo model and for small random Llama, Qwen2 (non-zero QKV bias), Qwen3 (q/k norm) and
 Mistral (sliding window shorter than the prompts) models, plus an INT4 (quantize_rtn, group 32,
 MatMulNBits) artifact, each built by a recipe with `- name: fuse`: the fused artifact's logits are
-within 1e-3 of transformers' and of the unfused artifact's (chunked prefill across blocks, as
+within 1e-3 of transformers' and FUSED_TOL of the unfused artifact's (chunked prefill across blocks, as
 tests/test_parity.py does), and greedy generation of 32 tokens for several prompts through
 `runtime.LLM` (continuous batching, chunked prefill) gives the same tokens. The unfused artifact is
 the graph the fuse pass received in that same build (`build_both`), which saves a build per model.
+Fused against unfused logits are held to FUSED_TOL (1e-4): measured 1.3e-6 to 2.3e-6 on the random
+models, INT4, FP8 and GQA artifacts and 1.5e-5 on the demo model (larger logits), float rounding of
+the fused kernels' other summation order; a fusion that changes the math by more fails.
 Fire counts, skip reasons (FP8), options, determinism and the checks are asserted too.
 """
 
@@ -31,6 +34,7 @@ from runtime.engine import LLMEngine
 UNFUSED = "  - name: capture\n  - name: lower_onnx\n  - name: package\n"
 FUSED = "  - name: capture\n  - name: lower_onnx\n  - name: fuse\n  - name: package\n"
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+FUSED_TOL = 1e-4  # fused vs. unfused logits (module docstring: what was measured)
 
 
 def save_like_package(model: onnx.ModelProto, folder: Path) -> None:
@@ -151,7 +155,7 @@ def test_random_model_logits(random_pair: tuple[str, Path, Path, Path, dict]) ->
     got = chunked_logits(LLMEngine(fused), ids, cuts)
     base = chunked_logits(LLMEngine(unfused, verify=False), ids, cuts)
     assert np.abs(got - ref).max() < LOGITS_TOL
-    assert np.abs(got - base).max() < LOGITS_TOL
+    assert np.abs(got - base).max() < FUSED_TOL
 
 
 def test_random_model_greedy(random_pair: tuple[str, Path, Path, Path, dict]) -> None:
@@ -179,7 +183,7 @@ def test_int4_fused_matches_unfused(tmp_path: Path) -> None:
     cuts = [13, 40, 41, 70]
     got = chunked_logits(LLMEngine(fused), ids, cuts)
     base = chunked_logits(LLMEngine(unfused, verify=False), ids, cuts)
-    assert np.abs(got - base).max() < LOGITS_TOL
+    assert np.abs(got - base).max() < FUSED_TOL
     prompts = prompts_of([5, 33, 64], seed=4)
     assert greedy(fused, prompts) == greedy(unfused, prompts, verify=False)
 
@@ -225,7 +229,7 @@ def test_demo_fused_logits_and_greedy(demo_pair: tuple[Path, Path]) -> None:
     got = chunked_logits(engine, ids, [9, 16, 17, 33, len(ids)])
     base = chunked_logits(LLMEngine(unfused, verify=False), ids, [9, 16, 17, 33, len(ids)])
     assert np.abs(got - ref).max() < LOGITS_TOL
-    assert np.abs(got - base).max() < LOGITS_TOL
+    assert np.abs(got - base).max() < FUSED_TOL
     prompts = [engine.tokenizer.encode(p) for p in DEMO_PROMPTS]
     assert greedy(fused, prompts) == greedy(unfused, prompts, verify=False)
 
@@ -294,28 +298,21 @@ def test_fp8_projections_are_left_alone_with_a_reason(tmp_path: Path) -> None:
     cuts = [13, 40, 41, 70]
     got = chunked_logits(LLMEngine(fused), ids, cuts)
     base = chunked_logits(LLMEngine(tmp_path / "unfused", verify=False), ids, cuts)
-    assert np.abs(got - base).max() < LOGITS_TOL
+    assert np.abs(got - base).max() < FUSED_TOL
 
 
 @pytest.mark.slow
 def test_fusion_with_a_forced_attention_variant(tmp_path: Path) -> None:
-    """select_attention kernel gqa (com.microsoft.GroupQueryAttention) + fuse, when that pass exists."""
-    from compiler.passes import PASSES
-
-    if "select_attention" not in PASSES:
-        pytest.skip("select_attention is not registered")
+    """select_attention kernel gqa (com.microsoft.GroupQueryAttention) + fuse: a build failure fails."""
     ckpt = make_random_checkpoint(tmp_path / "ckpt", "Qwen3ForCausalLM", seed=41)
     passes = "  - name: select_attention\n    options: {kernel: gqa}\n" + FUSED
-    try:
-        fused = build_both(write_recipe(tmp_path, ckpt, name="gqa", passes=passes), tmp_path / "unfused")
-    except Exception as e:  # the variant's own pass refuses this model / target
-        pytest.skip(f"select_attention kernel gqa not buildable here: {str(e).splitlines()[0]}")
+    fused = build_both(write_recipe(tmp_path, ckpt, name="gqa", passes=passes), tmp_path / "unfused")
     assert fuse_stats(fused)["fusions"]["qkv"] == 2
     ids = prompts_of([70], seed=1)[0]
     cuts = [13, 40, 41, 70]
     got = chunked_logits(LLMEngine(fused), ids, cuts)
     assert np.abs(got - hf_logits(hf_model(ckpt), ids)).max() < LOGITS_TOL
-    assert np.abs(got - chunked_logits(LLMEngine(tmp_path / "unfused", verify=False), ids, cuts)).max() < LOGITS_TOL
+    assert np.abs(got - chunked_logits(LLMEngine(tmp_path / "unfused", verify=False), ids, cuts)).max() < FUSED_TOL
     prompts = prompts_of([5, 33, 64], seed=4)
     assert greedy(fused, prompts) == greedy(tmp_path / "unfused", prompts, verify=False)
 

@@ -16,6 +16,7 @@ from test_core_fixtures import (
     PagedFakeModel,
     check_pool,
     entries,
+    hash_bits,
     reference_generation,
     step,
     tiny,
@@ -291,17 +292,22 @@ def test_caching_off_never_shares(Sched) -> None:
     assert cached_ids(s) == [] and s.prefix_cache_stats() == (0, 0, 0)
 
 
-def test_hash_collision_is_a_miss(Sched, monkeypatch: pytest.MonkeyPatch) -> None:
-    if Sched is not reference.Scheduler:
-        pytest.skip("the C hash cannot be replaced; the twin checks the same verification logic")
-    monkeypatch.setattr(reference, "block_hash", lambda parent, tokens, key: 12345)
-    s = Sched(tiny())
+def test_hash_collision_is_a_miss(Sched) -> None:
+    """Block hashes narrowed to 8 bits in both cores (the test-only hook): [9, 9, 9, x] is chosen to
+    share the hash of [1, 2, 3, 4]; looking it up must verify the tokens and miss."""
+    cfg = tiny()
+    key = reference.hash_key(cfg.prefix_cache_seed)
+    h = reference.block_hash(0, [1, 2, 3, 4], key) & 0xFF
+    x = next(x for x in range(100_000) if reference.block_hash(0, [9, 9, 9, x], key) & 0xFF == h)
+    with hash_bits(8):
+        s = Sched(cfg)
     s.add(0, [1, 2, 3, 4, 5])
     step(s)
-    assert cached_ids(s) == [0]
-    s.add(1, [9, 9, 9, 9, 5])  # same (fake) hash, other tokens: must not be served block 0
+    assert s.block_pool_state()["cached"] == [[0, h]]
+    s.add(1, [9, 9, 9, x, 5])  # the same hash, other tokens: must not be served block 0
     batch, _ = step(s)
     assert entries(batch)[1] == (1, 0, 5, True)
+    assert s.prefix_cache_stats().hits == 0
     s.add(2, [1, 2, 3, 4, 6])
     batch, _ = step(s)
     assert entries(batch)[-1] == (2, 4, 1, True)

@@ -142,7 +142,6 @@ def test_schema_is_valid_and_defaults_match_code() -> None:
     assert {k: v["default"] for k, v in props.items()} == dataclasses.asdict(RuntimeDefaults())
 
 
-@pytest.mark.skipif(not (REPO / "recipes/demo.yaml").exists(), reason="recipes/demo.yaml not present")
 def test_demo_recipe_loads() -> None:
     r = load_recipe(REPO / "recipes/demo.yaml")
     assert r.checkpoint == CHECKPOINT.resolve()

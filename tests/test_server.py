@@ -1,7 +1,9 @@
 """`optimize serve` end to end: a real server process on 127.0.0.1, the official `openai` client.
 
-One server (module scope) serves the API tests; the back-pressure and shutdown tests start their
-own with other limits. Each process binds port 0 and prints the port it got.
+One server (module scope) serves the API tests; the back-pressure, timeout and shutdown tests
+start their own with other limits. Each process binds port 0 and prints the port it got. The
+timeout test's server runs `SLOW_SERVE`: the real CLI whose engine sleeps before every step, so a
+long request cannot finish within the timeout on any machine.
 """
 
 from __future__ import annotations
@@ -21,24 +23,38 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import openai  # the dev extra's official client: a hard requirement of these tests, never a skip
 import pytest
 
-openai = pytest.importorskip("openai")
-
-from runtime.metrics import parse_prometheus  # noqa: E402
-from runtime.server import ChatTemplate  # noqa: E402
+from runtime.metrics import parse_prometheus
+from runtime.server import ChatTemplate
 
 API_KEY = "test-key"
 MODEL = "pycode-llama-6m"
 PROMPT = "def fibonacci(n):\n    if"
 
+# `optimize ...` (compiler.cli) with every LLMEngine.step() delayed by argv[1] seconds (warm-up too).
+SLOW_SERVE = """
+import sys, time
+import runtime.engine
+delay = float(sys.argv.pop(1))
+real_step = runtime.engine.LLMEngine.step
+def slow_step(self):
+    time.sleep(delay)
+    return real_step(self)
+runtime.engine.LLMEngine.step = slow_step
+from compiler.cli import main
+main(prog_name="optimize")
+"""
+
 
 class ServerProcess:
     """`python -m compiler.cli serve ARTIFACT --port 0 ...` with its output collected."""
 
-    def __init__(self, artifact: Path, *args: str) -> None:
+    def __init__(self, artifact: Path, *args: str, step_delay: float | None = None) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        cmd = [sys.executable, "-m", "compiler.cli", "serve", str(artifact), "--port", "0", "--threads", "1", *args]
+        launcher = ["-m", "compiler.cli"] if step_delay is None else ["-c", SLOW_SERVE, str(step_delay)]
+        cmd = [sys.executable, *launcher, "serve", str(artifact), "--port", "0", "--threads", "1", *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self.lines: list[str] = []
         self._port: int | None = None
@@ -429,7 +445,7 @@ def test_bench_against_server(server: ServerProcess, tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_queue_full_gets_429_and_accepted_requests_complete(demo_artifact: Path) -> None:
     n = 4
-    s = ServerProcess(demo_artifact, "--max-num-seqs", "2", "--max-waiting", str(n), "--request-timeout", "2")
+    s = ServerProcess(demo_artifact, "--max-num-seqs", "2", "--max-waiting", str(n))
     try:
         health: list[int] = []
         stop = threading.Event()
@@ -470,15 +486,44 @@ def test_queue_full_gets_429_and_accepted_requests_complete(demo_artifact: Path)
         assert m['optimize_requests_finished_total{finish_reason="length"}'] == codes.count(200)
         assert m['optimize_requests_rejected_total{reason="queue_full"}'] == codes.count(429)
 
-        # per-request timeout: 1016 tokens cannot finish in 2 s here (~3-5 ms a token); it is aborted
-        status, _, body = post(s.port, "/v1/completions", {"prompt": [3] * 8, "max_tokens": 1016, "ignore_eos": True},
-                               auth=False)
-        if status == 200:  # pragma: no cover - only on a machine fast enough to finish in 2 s
-            pytest.skip("this machine generates 1016 tokens in under 2 s")
-        assert status == 408 and body["error"]["code"] == "request_timeout"
+    finally:
+        s.kill()
+
+
+def test_request_timeout_aborts_a_request_that_cannot_finish(demo_artifact: Path) -> None:
+    """--request-timeout 2 on an engine that sleeps 50 ms before every step: 100 tokens take at least
+    5 s, so the request must end at the timeout (408; an error event on a stream), be counted as a
+    timeout and free its KV blocks; a short request still completes."""
+    s = ServerProcess(demo_artifact, "--request-timeout", "2", step_delay=0.05)
+    try:
+        body = {"prompt": [3] * 8, "max_tokens": 100, "ignore_eos": True, "temperature": 0}
+        t = time.monotonic()
+        status, _, err = post(s.port, "/v1/completions", body, auth=False)
+        took = time.monotonic() - t
+        assert status == 408, (status, err)
+        assert err["error"]["code"] == "request_timeout" and err["error"]["type"] == "timeout_error"
+        assert 2.0 <= took < 4.5, took  # at the deadline, not after the 5 s the tokens need
+
+        t = time.monotonic()
+        conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=30)
+        conn.request("POST", "/v1/completions", body=json.dumps({**body, "stream": True}),
+                     headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        raw = r.read().decode()
+        conn.close()
+        took = time.monotonic() - t
+        events = [line[6:] for line in raw.split("\n") if line.startswith("data: ")]
+        assert r.status == 200 and events[-1] == "[DONE]", raw
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert chunks[-1]["error"]["code"] == "request_timeout", chunks[-1]
+        produced = sum(len(c["choices"][0]["text"]) > 0 for c in chunks if c.get("choices"))
+        assert 1 <= produced < 100 and 2.0 <= took < 4.5, (produced, took)
+
+        ok = post(s.port, "/v1/completions", {**body, "max_tokens": 5}, auth=False)
+        assert ok[0] == 200 and ok[2]["usage"]["completion_tokens"] == 5
         m = wait_idle(s)
-        assert m['optimize_requests_finished_total{finish_reason="timeout"}'] == 1
-        assert m["optimize_kv_blocks_used"] == 0
+        assert m['optimize_requests_finished_total{finish_reason="timeout"}'] == 2
+        assert m["optimize_kv_blocks_used"] == 0 and m["optimize_num_requests_running"] == 0
     finally:
         s.kill()
 

@@ -503,24 +503,18 @@ def test_decode_without_graphs_matches_too(pair: tuple[Path, Path, Path], monkey
 
 
 def test_generation_matches_the_cpu_artifact(pair: tuple[Path, Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
-    """Greedy tokens through the engine core (continuous batching, prefix cache with copy-on-write)."""
+    """Greedy tokens through the engine core (continuous batching, prefix cache with copy-on-write); the
+    backend comes from the production dispatch (runtime.engine._load_backend reads the artifact's
+    runtime.json), which also refuses to run the engine on the CPU."""
     import fake_gpu
 
-    import runtime.engine as engine_mod
     from runtime.engine import LLM
     from runtime.sampling import SamplingParams
 
     _, cpu, art = pair
     fake_gpu.install(monkeypatch)
-    load = engine_mod._load_backend
-
-    def load_backend(artifact: Artifact, num_blocks: int | None, *args: object, **kwargs: object) -> object:
-        if artifact.runtime_config.get("backend") == "tensorrt":  # until runtime/engine.py names the backend
-            return TensorRTBackend(artifact.model_path, artifact.runtime_config, artifact.manifest,
-                                   num_blocks=num_blocks)
-        return load(artifact, num_blocks, *args, **kwargs)
-
-    monkeypatch.setattr(engine_mod, "_load_backend", load_backend)
+    with pytest.raises(RuntimeError, match="runs on the GPU it was built for, not on 'cpu'"):
+        LLM(art, device="cpu")
     copies: list[list[tuple[int, int]]] = []
     copy_blocks = TensorRTBackend.copy_blocks
     monkeypatch.setattr(TensorRTBackend, "copy_blocks", lambda self, pairs: (copies.append(list(pairs)),
@@ -534,7 +528,7 @@ def test_generation_matches_the_cpu_artifact(pair: tuple[Path, Path, Path], monk
         llm = LLM(path)
         first = [o.token_ids for o in llm.generate([full], params)]
         results.append((first, [o.token_ids for o in llm.generate(prompts, params)]))
-    assert type(llm.engine.backend).__name__ == "TensorRTBackend"
+    assert type(llm.engine.backend) is TensorRTBackend and llm.engine.backend.graph_mode == "cuda"
     assert results[1] == results[0]
     assert llm.engine.scheduler.prefix_cache_stats().hits >= 31 and copies, copies  # the repeat: cached + copied
     assert llm.engine.backend.graph_replays > 0

@@ -2,10 +2,12 @@
 its kernels for the interpreter, which runs them on CPU tensors.
 
     python tests/triton_interpreted.py kernel            # hypothesis: the Triton kernel vs the reference
+                                                         # (head dims 8/12/32, then 64/128/256)
     python tests/triton_interpreted.py int4              # hypothesis: the INT4 matmul kernel vs its reference
     python tests/triton_interpreted.py engine ARTIFACT   # greedy tokens of the artifact with the kernel
 
-`kernel` exits non-zero with the falsifying example when the kernel and the reference differ;
+`kernel` exits non-zero with the falsifying example when the kernel and the reference differ, and
+prints {"kernel": "ok", "real_dims": [...]};
 `engine` prints {"tokens": [...], "kernel_calls": N, "bucket_steps": N} for the prompts of
 test_gpu_targets.py. tests/gpu/test_torch_cuda.py runs the same cases on a GPU (compiled kernel).
 """
@@ -28,12 +30,15 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from runtime.kernels import int4_matmul as i4  # noqa: E402
 from runtime.kernels import paged_attention as pa  # noqa: E402
 
+SMALL_DIMS = (8, 12, 32)  # cheap in the interpreter; 12 is not a power of two (masked lanes)
+REAL_DIMS = (64, 128, 256)  # the models' head dims: larger BLOCK_D, smaller BLOCK_N
+
 
 @st.composite
-def cases(draw: st.DrawFn) -> dict:
+def cases(draw: st.DrawFn, dims: tuple[int, ...] = SMALL_DIMS) -> dict:
     kvh = draw(st.sampled_from([1, 2, 3]))
     group = draw(st.sampled_from([1, 2, 3, 4]))
-    d = draw(st.sampled_from([8, 12, 32]))
+    d = draw(st.sampled_from(dims))
     bs = draw(st.sampled_from([1, 4, 16]))
     seqs = draw(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 6)), min_size=1, max_size=4))  # (past, new)
     if all(n == 0 for _, n in seqs):
@@ -80,6 +85,20 @@ def check_kernel(c: dict) -> None:
     err = run_case(c)
     tol = 1e-5 if c["dtype"] == "float32" else 4e-3
     assert err <= tol, f"kernel differs from the reference by {err} on {c}"
+
+
+def check_kernel_real_dims(examples: int = 3) -> list[int]:
+    """`examples` cases at each of the real head dims; returns the dims that ran."""
+    ran: list[int] = []
+    for d in REAL_DIMS:
+        @settings(max_examples=examples, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+        @given(cases(dims=(d,)))
+        def check(c: dict) -> None:
+            check_kernel.hypothesis.inner_test(c)
+            ran.append(c["d"])
+
+        check()
+    return sorted(set(ran))
 
 
 @st.composite
@@ -156,7 +175,7 @@ if __name__ == "__main__":
         sys.exit("run with TRITON_INTERPRET=1")
     if sys.argv[1] == "kernel":
         check_kernel()
-        print("kernel ok")
+        print(json.dumps({"kernel": "ok", "real_dims": check_kernel_real_dims()}))
     elif sys.argv[1] == "int4":
         calls = count_calls("int4_matmul_triton")
         check_int4()

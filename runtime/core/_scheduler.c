@@ -96,6 +96,7 @@ typedef struct {
     int64_t bs, nb, max_seqs, max_tokens, max_len, max_blocks_seq;
     int caching, cow;
     uint64_t key;
+    uint64_t hash_mask; /* all ones; fewer bits only under set_hash_bits_for_tests */
     PyObject *entry_type, *batch_type, *stats_type;
     /* block pool */
     int32_t *ref;
@@ -455,6 +456,32 @@ static void block_touch(Sched *s, int32_t b) {
 
 /* ---- hashing ---------------------------------------------------------------------------- */
 
+/* Width of the block hashes of schedulers created from now on: 64 in production. Tests narrow it
+ * (set_hash_bits_for_tests) so that distinct blocks collide and the collision path runs; the twin
+ * has the same hook (reference.set_hash_bits_for_tests) with the same semantics: every chained
+ * hash, parents included, is the 64-bit hash masked to its low `bits` bits. */
+static int test_hash_bits = 64;
+
+static PyObject *set_hash_bits_for_tests(PyObject *Py_UNUSED(module), PyObject *arg) {
+    long bits = PyLong_AsLong(arg);
+    if (bits == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (bits < 1 || bits > 64) {
+        PyErr_Format(PyExc_ValueError, "hash bits must be in [1, 64], got %ld", bits);
+        return NULL;
+    }
+    long previous = test_hash_bits;
+    test_hash_bits = (int)bits;
+    return PyLong_FromLong(previous);
+}
+
+static PyMethodDef hash_methods[] = {
+    {"set_hash_bits_for_tests", set_hash_bits_for_tests, METH_O,
+     "set_hash_bits_for_tests(bits) -> previous: block-hash width of schedulers created later (tests only)."},
+    {NULL, NULL, 0, NULL},
+};
+
 static uint64_t block_hash(uint64_t parent, const int64_t *tok, int64_t n, uint64_t key) {
     uint64_t h = parent ^ key;
     for (int64_t i = 0; i < n; i++) {
@@ -471,7 +498,7 @@ static int seq_hash(Sched *s, seq_t *q, int64_t j, uint64_t *out) {
         }
         while (q->nhash <= j) {
             int64_t k = q->nhash;
-            q->hashes[k] = block_hash(k ? q->hashes[k - 1] : 0, q->tokens + k * s->bs, s->bs, s->key);
+            q->hashes[k] = block_hash(k ? q->hashes[k - 1] : 0, q->tokens + k * s->bs, s->bs, s->key) & s->hash_mask;
             q->nhash++;
         }
     }
@@ -737,6 +764,7 @@ static int S_init(Sched *s, PyObject *args, PyObject *kwds) {
         return -1;
     }
     s->key = core_mix64((uint64_t)sd + CORE_GOLDEN);
+    s->hash_mask = test_hash_bits >= 64 ? ~(uint64_t)0 : (((uint64_t)1 << test_hash_bits) - 1);
     if (!PyType_Check(entry_type) || !PyType_IsSubtype((PyTypeObject *)entry_type, &PyTuple_Type) ||
         ((PyTypeObject *)entry_type)->tp_basicsize != PyTuple_Type.tp_basicsize ||
         ((PyTypeObject *)entry_type)->tp_itemsize != PyTuple_Type.tp_itemsize) {
@@ -1678,7 +1706,7 @@ static PyTypeObject SchedType = {
 };
 
 int core_scheduler_register(PyObject *module) {
-    if (PyType_Ready(&SchedType) < 0) {
+    if (PyModule_AddFunctions(module, hash_methods) < 0 || PyType_Ready(&SchedType) < 0) {
         return -1;
     }
     Py_INCREF(&SchedType);

@@ -172,6 +172,21 @@ def hash_key(seed: int) -> int:
     return _mix64((seed + _GOLDEN) & _M64)
 
 
+_hash_bits = 64  # block-hash width of schedulers created from now on (set_hash_bits_for_tests)
+
+
+def set_hash_bits_for_tests(bits: int) -> int:
+    """Narrow the block hashes of schedulers created from now on to their low `bits` bits (64: the
+    production width) so that distinct blocks collide and the collision path runs; returns the
+    previous width. Twin of `_core.set_hash_bits_for_tests` (every chained hash, parents included,
+    is masked). Tests only."""
+    global _hash_bits
+    if not _is_int(bits) or not 1 <= bits <= 64:
+        raise ValueError(f"hash bits must be in [1, 64], got {bits!r}")
+    previous, _hash_bits = _hash_bits, int(bits)
+    return previous
+
+
 def block_hash(parent: int, tokens: Sequence[int], key: int) -> int:
     """Chained hash of one full block: parent is the previous block's hash (0 for the first)."""
     h = parent ^ key
@@ -383,6 +398,7 @@ class Scheduler:
         self._caching = config.enable_prefix_caching
         seed = config.prefix_cache_seed
         self._hash_key = hash_key(secrets.randbits(64) if seed is None else int(seed))
+        self._hash_mask = (1 << _hash_bits) - 1
         self._seqs: dict[int, _Sequence] = {}
         self._waiting: deque[_Sequence] = deque()
         self._running: list[_Sequence] = []  # sorted by arrival
@@ -619,7 +635,7 @@ class Scheduler:
         while len(hashes) <= j:
             k = len(hashes)
             hashes.append(block_hash(hashes[k - 1] if k else 0, seq.token_ids[k * bs: (k + 1) * bs],
-                                     self._hash_key))
+                                     self._hash_key) & self._hash_mask)
         return hashes[j]
 
     def _register_full_blocks(self, seq: _Sequence) -> None:

@@ -1,9 +1,12 @@
 """onnxruntime/cuda on a GPU: the demo with PagedAttention over device pools (I/O binding, in-place
-cache writes), greedy tokens against the CPU demo artifact, CUDA graphs per decode bucket when ONNX
-Runtime accepts them. Skips with the reason where onnxruntime-gpu or a GPU is missing."""
+cache writes), greedy tokens against the CPU demo artifact, CUDA graphs per decode bucket: the demo's
+plan is capturable (every node on the CUDA provider), so a backend that fell back to eager steps
+(ONNX Runtime refused the graphs) fails the test. Skips with the reason where onnxruntime-gpu or a
+GPU is missing."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -42,6 +45,8 @@ def test_paged_attention_artifact_agrees_with_the_cpu_demo(demo_artifact: Path, 
     got = [o.token_ids for o in llm.generate(PROMPTS, params)]
     # float16 / bfloat16 vs float32: a late divergence is allowed (bfloat16 keeps 8 bits of mantissa)
     assert prefix_agreement(want, got) >= (0.9 if dtype == "float16" else 0.75), (want, got)
+    plan = json.loads((artifact / "manifest.json").read_text())["cuda_graphs"]
+    assert plan["capturable"] and plan["decode_buckets"], plan
     backend = llm.engine.backend
-    if backend.graph_mode == "cuda":
-        assert backend.graph_replays > 0
+    assert backend.graph_mode == "cuda", "ONNX Runtime refused CUDA graphs for a capturable plan (see the log)"
+    assert backend.graph_replays > 0

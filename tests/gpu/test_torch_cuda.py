@@ -32,17 +32,24 @@ def artifact(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
 
 
 def test_triton_kernel_on_the_gpu_matches_the_reference() -> None:
-    """The hypothesis cases of tests/triton_interpreted.py, the kernel compiled for this GPU."""
+    """The hypothesis cases of tests/triton_interpreted.py, the kernel compiled for this GPU, at the small
+    head dims and at the models' (64, 128, 256), each of which must run."""
     from hypothesis import given, settings
-    from triton_interpreted import cases, run_case
+    from triton_interpreted import REAL_DIMS, SMALL_DIMS, cases, run_case
+
+    ran: set[int] = set()
 
     @settings(max_examples=60, deadline=None, derandomize=True)
-    @given(cases())
+    @given(cases(dims=SMALL_DIMS))
     def check(c: dict) -> None:
         err = run_case(c, device="cuda")
         assert err <= (1e-4 if c["dtype"] == "float32" else 4e-3), (err, c)
+        ran.add(c["d"])
 
     check()
+    for d in REAL_DIMS:
+        settings(max_examples=15, deadline=None, derandomize=True)(given(cases(dims=(d,)))(check.hypothesis.inner_test))()
+    assert ran == set(SMALL_DIMS) | set(REAL_DIMS), ran
 
 
 def test_int4_kernel_on_the_gpu_matches_the_reference() -> None:
