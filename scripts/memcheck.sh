@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Memory check of the C engine core (runtime/core/_core.c, _scheduler.c, _sampler.c).
+# Memory check of the C code: the engine core (runtime/core/_core.c, _scheduler.c, _sampler.c) and the
+# ONNX Runtime paged-attention kernel (runtime/kernels/paged_attention_cpu.c).
 #
 #   scripts/memcheck.sh [extra pytest arguments]
 #
@@ -8,7 +9,9 @@
 # preloads libasan into Python with PYTHONMALLOC=malloc (so Python objects and PyMem buffers are
 # checked too) and runs the C-core tests listed in TESTS below there: test_core_c.py (C vs. twin
 # streams, scatter, copies, constructor and error paths), test_core_reference.py and
-# test_prefix_cache.py (both impls), test_sampling.py (C vs. twin sampling). Exits non-zero on any
+# test_prefix_cache.py (both impls), test_sampling.py (C vs. twin sampling), and the kernel library
+# built the same way, loaded by ONNX Runtime in test_paged_cpu_kernel.py (hypothesis steps against the
+# reference attention, in-place pool writes, refused steps). Exits non-zero on any
 # sanitizer report (any error aborts the run), a test failure, no test run, or a missing libasan.
 # tests/test_memcheck.py runs this script in the default test suite (CI). Leaks of the core's own allocations are checked by
 # tests/test_core_c.py::test_no_memory_growth_over_many_schedulers_and_samples (tracemalloc);
@@ -17,7 +20,7 @@ set -euo pipefail
 
 # The tests run under the sanitizers (files in tests/), and the helpers they import. A new test of
 # C code goes here.
-TESTS=(test_core_c.py test_core_reference.py test_prefix_cache.py test_sampling.py)
+TESTS=(test_core_c.py test_core_reference.py test_prefix_cache.py test_sampling.py test_paged_cpu_kernel.py)
 HELPERS=(test_core_fixtures.py)
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -33,9 +36,14 @@ if [[ ! -e "$LIBASAN" ]]; then
     echo "memcheck: $CC has no libasan.so (install the compiler's sanitizer runtime, e.g. libasan8)" >&2
     exit 2
 fi
+# ONNX Runtime throws C++ exceptions (a refused step): libstdc++ must be loaded when the sanitizer
+# runtime starts, or its __cxa_throw interceptor finds nothing to forward to
+LIBSTDCXX=$("$CC" -print-file-name=libstdc++.so)
+PRELOAD="$LIBASAN $(readlink -f "$LIBSTDCXX")"
 
 cp -r "$ROOT/runtime" "$TMP/runtime"
 find "$TMP/runtime" -name '_core*.so' -delete
+find "$TMP/runtime" -name '_paged_attention_cpu*.so' -delete
 find "$TMP/runtime" -name '__pycache__' -prune -exec rm -rf {} +
 mkdir "$TMP/tests"
 for f in "${TESTS[@]}" "${HELPERS[@]}"; do
@@ -48,20 +56,29 @@ echo "memcheck: building the extension with -fsanitize=address,undefined"
     -fsanitize=address,undefined -fno-sanitize-recover=all -Wall -Wextra -Werror \
     -I"$INC" "$ROOT/runtime/core/_core.c" "$ROOT/runtime/core/_scheduler.c" "$ROOT/runtime/core/_sampler.c" \
     -o "$TMP/runtime/core/_core$SUFFIX"
+# the kernel without its per-CPU clones (ifunc resolvers run before the sanitizer runtime is ready)
+"$CC" -shared -fPIC -std=gnu11 -O1 -g -fno-omit-frame-pointer -fno-trapping-math -DOPTIMIZE_NO_CLONES \
+    -fsanitize=address,undefined -fno-sanitize-recover=all -Wall -Wextra -Wno-psabi -Werror \
+    "$ROOT/runtime/kernels/paged_attention_cpu.c" -o "$TMP/runtime/kernels/_paged_attention_cpu$SUFFIX"
 
 cd "$TMP"
 export PYTHONPATH="$TMP" PYTHONMALLOC=malloc PYTHONDONTWRITEBYTECODE=1
 # Reports go to files (pytest captures stderr, and an aborted run would lose them).
 export ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:halt_on_error=1:strict_string_checks=1:detect_stack_use_after_return=1:log_path=$TMP/sanitizer"
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:log_path=$TMP/sanitizer"
-where=$(LD_PRELOAD="$LIBASAN" "$PY" -c 'import runtime.core._core as c; print(c.__file__)')
+where=$(LD_PRELOAD="$PRELOAD" "$PY" -c 'import runtime.core._core as c; print(c.__file__)')
 if [[ "$where" != "$TMP"/* ]]; then
     echo "memcheck: imported $where instead of the sanitized build" >&2
     exit 2
 fi
-echo "memcheck: running the core tests on $where"
+kernel=$(LD_PRELOAD="$PRELOAD" "$PY" -c 'from runtime.kernels.paged_attention_cpu import library_path; print(library_path())')
+if [[ "$kernel" != "$TMP"/* ]]; then
+    echo "memcheck: found the kernel library $kernel instead of the sanitized build" >&2
+    exit 2
+fi
+echo "memcheck: running the tests on $where and $kernel"
 set +e
-LD_PRELOAD="$LIBASAN" "$PY" -m pytest -q "${TESTS[@]/#/tests/}" "$@" 2>&1 | tee "$TMP/log.txt"
+LD_PRELOAD="$PRELOAD" "$PY" -m pytest -q "${TESTS[@]/#/tests/}" "$@" 2>&1 | tee "$TMP/log.txt"
 status=${PIPESTATUS[0]}
 set -e
 if compgen -G "$TMP/sanitizer*" > /dev/null; then
