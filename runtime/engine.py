@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from runtime.artifact import Artifact
+from runtime.artifact import Artifact, ArtifactError
 from runtime.core import CORE_IMPL, RNG, Scheduler, SchedulerConfig
 from runtime.sampling import Sampler, SamplingParams, make_generator
 
@@ -100,15 +100,32 @@ class _Request:
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
+def load_tokenizer(folder: Path) -> Any:
+    """tokenizers' Tokenizer from folder/tokenizer.json; ArtifactError when it is missing or garbage."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    path = folder / "tokenizer.json"
+    try:
+        tok = HFTokenizer.from_file(str(path))
+        if tok.get_vocab_size() < 1:
+            raise ValueError("an empty vocabulary")
+    except Exception as exc:  # tokenizers raises a bare Exception on a malformed file
+        raise ArtifactError(f"{path}: not a readable tokenizer: {exc}") from exc
+    return tok
+
+
 class Tokenizer:
     """The artifact's tokenizer (tokenizers' Tokenizer from tokenizer/tokenizer.json)."""
 
     def __init__(self, folder: Path) -> None:
-        from tokenizers import Tokenizer as HFTokenizer
-
-        self._tok = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+        self._tok = load_tokenizer(folder)
         cfg_path = folder / "tokenizer_config.json"
-        self.config: dict[str, Any] = json.loads(cfg_path.read_text("utf-8")) if cfg_path.is_file() else {}
+        try:
+            self.config: dict[str, Any] = json.loads(cfg_path.read_text("utf-8")) if cfg_path.is_file() else {}
+        except (OSError, ValueError) as exc:
+            raise ArtifactError(f"{cfg_path}: unreadable: {exc}") from exc
+        if not isinstance(self.config, dict):
+            raise ArtifactError(f"{cfg_path}: must hold a JSON object")
         self.vocab_size = self._tok.get_vocab_size()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -168,8 +185,16 @@ class LLMEngine:
         graphs: str | None = None,
     ) -> None:
         self.artifact = artifact if isinstance(artifact, Artifact) else Artifact.open(artifact, verify=verify)
-        cfg = self.artifact.runtime_config
-        self.backend = _load_backend(self.artifact, num_blocks, threads, device, graphs)
+        cfg = self.artifact.check_runtime(num_blocks=num_blocks, max_model_len=max_model_len, device=device)
+        try:
+            self.backend = _load_backend(self.artifact, num_blocks, threads, device, graphs)
+        except (ArtifactError, RuntimeError, ValueError):
+            raise
+        except MemoryError as exc:
+            raise ArtifactError(f"{self.artifact.root}: not enough memory to load the model and its KV pool "
+                                f"({exc or 'MemoryError'})") from exc
+        except Exception as exc:  # ONNX Runtime's own exception types for a corrupt graph
+            raise ArtifactError(f"{self.artifact.model_path}: the model could not be loaded: {exc}") from exc
         sched = cfg["scheduler"]
         self.scheduler_config = SchedulerConfig(
             block_size=self.backend.block_size,

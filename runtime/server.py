@@ -340,9 +340,9 @@ class TextCodec:
     """The artifact's tokenizer on the HTTP side (encode, decode, one token's text for logprobs)."""
 
     def __init__(self, folder: Path) -> None:
-        from tokenizers import Tokenizer
+        from runtime.engine import load_tokenizer
 
-        self._tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        self._tok = load_tokenizer(folder)
         self.vocab_size = self._tok.get_vocab_size()
         self._pieces: dict[int, str] = {}
         # The longest token in characters: a text of more than max_model_len * this many characters
@@ -496,9 +496,8 @@ class _GuardedHandler(RequestHandler):
         super().connection_made(transport)
         if not self._guard.enter():
             assert isinstance(transport, asyncio.Transport)
-            self.force_close()
             transport.write(_OVER_CAPACITY)
-            transport.close()
+            self.force_close()  # closes the transport once the answer is flushed
             return
         self._counted = True
         self._arm()
@@ -595,7 +594,7 @@ class Server:
 
         def protocol() -> _GuardedHandler:
             return _GuardedHandler(manager, self.connections, loop=loop, access_log=None,
-                                   keepalive_timeout=max(self.config.header_timeout, 1.0))
+                                   keepalive_timeout=self.config.header_timeout + 5.0)  # ours fires first
 
         self._listener = await loop.create_server(protocol, self.config.host, self.config.port, backlog=1024)
         sockets = self._listener.sockets
@@ -737,9 +736,8 @@ class Server:
         if origin is not None:
             request["cors_origin"] = origin
         resp = await handler(request)
-        if origin is not None and not resp.prepared:
-            resp.headers["Access-Control-Allow-Origin"] = origin
-            resp.headers["Vary"] = "Origin"
+        if not resp.prepared:
+            _allow_origin(request, resp)
         return resp
 
     async def preflight(self, request: web.Request) -> web.Response:
@@ -1036,6 +1034,7 @@ class Server:
         except ValueError as exc:  # refused by the engine itself
             raise _invalid(str(exc)) from None
         # Written here, under the write timeout, rather than by aiohttp after the handler returns.
+        _allow_origin(request, resp)
         try:
             async with asyncio.timeout(self.config.write_timeout):
                 await resp.prepare(request)
@@ -1062,9 +1061,7 @@ class Server:
                       deadline: float) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Accel-Buffering": "no"})
-        origin = request.get("cors_origin")
-        if origin:
-            resp.headers.update({"Access-Control-Allow-Origin": origin, "Vary": "Origin"})
+        _allow_origin(request, resp)
         try:
             async with asyncio.timeout(self.config.write_timeout):
                 await resp.prepare(request)
@@ -1095,6 +1092,14 @@ class Server:
         except ConnectionResetError:
             log.debug("client of %s went away", stream.request_id)  # the context manager aborts it
         return resp
+
+
+def _allow_origin(request: web.Request, resp: web.StreamResponse) -> None:
+    """CORS: the allowed origin the middleware found for this request, if any (--cors-origin)."""
+    origin = request.get("cors_origin")
+    if origin:
+        resp.headers["Access-Control-Allow-Origin"] = origin
+        resp.headers["Vary"] = "Origin"
 
 
 def _no_constant(name: str) -> Any:
@@ -1217,11 +1222,14 @@ class _ChatFormat(_Format):
 # --------------------------------------------------------------------------------------------
 
 
-async def _main(config: ServerConfig, announce: Callable[[str], None]) -> int:
-    server = Server(config)
+async def _main(config: ServerConfig, announce: Callable[[str], None], server: Server | None = None) -> int:
+    server = server or Server(config)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, server.begin_drain)
+        try:
+            loop.add_signal_handler(sig, server.begin_drain)
+        except (RuntimeError, ValueError):  # not the main thread (an embedded server): no signals
+            log.debug("no handler for %s outside the main thread", sig.name)
     host, port = await server.start()
     announce(f"serving {server.model_id} ({server.artifact_name} {server.artifact_version}) on "
              f"http://{host}:{port}  (ready after verify + load + warm-up: GET {READY_PATH})")
