@@ -259,11 +259,6 @@ class AsyncEngine:
         except BaseException as exc:  # a broken step: fail every request, report unhealthy
             log.exception("engine thread stopped by an error")
             self.error = exc
-            if self.on_death is not None and self._loop is not None:
-                try:
-                    self._loop.call_soon_threadsafe(self.on_death, exc)
-                except RuntimeError:  # the event loop is closed
-                    pass
         finally:
             err = EngineDeadError(f"the engine stopped: {self.error}" if self.error else "the server is stopping")
             pending = []  # handed over but never added: fail them too, nobody will step them
@@ -281,6 +276,11 @@ class AsyncEngine:
                 self._publish()
             except Exception:  # pragma: no cover - the engine is already broken
                 log.exception("cleaning up after the engine thread failed")
+            if self.error is not None and self.on_death is not None and self._loop is not None:
+                try:  # after the errors above were handed over, so requests see the engine's error first
+                    self._loop.call_soon_threadsafe(self.on_death, self.error)
+                except RuntimeError:  # the event loop is closed
+                    pass
 
     def _drain(self, block: bool) -> bool:
         """Apply every pending add/abort (waiting for one when idle); False when told to stop."""

@@ -482,9 +482,10 @@ def test_hostile_artifacts_get_one_clear_error_line(demo_artifact: Path, tmp_pat
         assert r.returncode == 1, (name, r.stdout, r.stderr)
         assert "Traceback" not in r.stderr and len(lines) == 1 and lines[0].startswith("error: "), (name, r.stderr)
         assert needle in lines[0], (name, lines)
-        r = _cli("serve", str(art), "--port", "0")
-        assert r.returncode == 1 and "Traceback" not in r.stdout + r.stderr, (name, r.stdout, r.stderr)
-        assert needle in r.stderr, (name, r.stderr)
+        if name == "context-over-positions":  # serve loads through the same checks
+            r = _cli("serve", str(art), "--port", "0")
+            assert r.returncode == 1 and "Traceback" not in r.stdout + r.stderr, (name, r.stdout, r.stderr)
+            assert needle in r.stderr, (name, r.stderr)
     # inspect shows a readable manifest whatever the types of its fields
     odd = _tamper(demo_artifact, tmp_path / "odd-manifest", lambda root: None)
     manifest = json.loads((odd / "manifest.json").read_text())
