@@ -413,22 +413,78 @@ def _positive(section: dict[str, Any], key: str, where: str) -> int:
 
 
 def _rotary_rows(model_file: Path) -> int | None:
-    """Rows of the ONNX graph's rotary_cos_cache (the positions it can rotate), or None when there is
-    none or the `onnx` package is not installed (the serving image may lack it)."""
+    """Rows of the ONNX graph's rotary_cos_cache initializer (the positions it can rotate), or None when
+    there is none. Reads the protobuf wire format directly (model -> graph -> initializer: name, dims),
+    skipping every other field, so the serving side needs no `onnx` package."""
     if model_file.suffix != ".onnx" or not model_file.is_file():
         return None
+    import mmap
+
     try:
-        import onnx
-    except ImportError:
-        return None
-    try:
-        graph = onnx.load(str(model_file), load_external_data=False).graph
-    except Exception as exc:  # a corrupt graph: say so here rather than deep inside the backend
+        with open(model_file, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            for field_no, start, end in _pb_fields(buf, 0, len(buf)):
+                if field_no != 7:  # ModelProto.graph
+                    continue
+                for gfield, gs, ge in _pb_fields(buf, start, end):
+                    if gfield != 5:  # GraphProto.initializer (TensorProto)
+                        continue
+                    name, dims = None, []
+                    for tfield, ts, te in _pb_fields(buf, gs, ge, varints=True):
+                        if tfield == 8:
+                            name = bytes(buf[ts:te])
+                        elif tfield == 1:  # dims: one varint, or packed varints
+                            dims.extend(_pb_varints(buf, ts, te) if te > ts else [ts])
+                    if name == b"rotary_cos_cache" and dims:
+                        return int(dims[0])
+    except (OSError, ValueError, IndexError) as exc:
         raise ArtifactError(f"{model_file}: not a readable ONNX model: {exc}") from exc
-    for init in graph.initializer:
-        if init.name == "rotary_cos_cache" and init.dims:
-            return int(init.dims[0])
     return None
+
+
+def _pb_varint(buf: Any, i: int) -> tuple[int, int]:
+    value, shift = 0, 0
+    while True:
+        b = buf[i]
+        i += 1
+        value |= (b & 0x7F) << shift
+        if b < 0x80:
+            return value, i
+        shift += 7
+        if shift > 63:
+            raise ValueError("a varint longer than 10 bytes")
+
+
+def _pb_varints(buf: Any, start: int, end: int) -> list[int]:
+    out = []
+    while start < end:
+        v, start = _pb_varint(buf, start)
+        out.append(v)
+    return out
+
+
+def _pb_fields(buf: Any, start: int, end: int, varints: bool = False) -> Any:
+    """(field number, start, end) of each length-delimited field in buf[start:end]; with `varints`, a
+    varint field is yielded as (field number, value, value) (an empty range holding its value)."""
+    i = start
+    while i < end:
+        key, i = _pb_varint(buf, i)
+        field_no, wire = key >> 3, key & 7
+        if wire == 0:
+            v, i = _pb_varint(buf, i)
+            if varints:
+                yield field_no, v, v
+        elif wire == 1:
+            i += 8
+        elif wire == 5:
+            i += 4
+        elif wire == 2:
+            n, i = _pb_varint(buf, i)
+            if i + n > end:
+                raise ValueError("a field runs past its message")
+            yield field_no, i, i + n
+            i += n
+        else:
+            raise ValueError(f"protobuf wire type {wire} is not read here")
 
 
 def _available_memory() -> int | None:

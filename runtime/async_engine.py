@@ -299,8 +299,9 @@ class AsyncEngine:
                 continue
             req: GenerateRequest = msg
             try:
+                salted = {"cache_salt": req.cache_salt} if req.cache_salt else {}
                 self.engine.add_request(req.request_id, req.prompt_ids, req.params, arrival=req.arrival,
-                                        logprobs=req.logprobs, cache_salt=req.cache_salt)
+                                        logprobs=req.logprobs, **salted)
             except ValueError as exc:
                 errors.append((req.request_id, exc))
             else:
