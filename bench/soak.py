@@ -169,6 +169,8 @@ class Soak:
         while not stop.is_set() and tally.actions < self.args.max_actions:
             try:
                 action()
+                if tally is self.hostile:
+                    tally.did()
             except OSError as exc:  # a hostile client's connection being cut is expected
                 if tally is self.good or tally is self.health:
                     tally.fail(f"{type(exc).__name__}: {exc}")
@@ -248,10 +250,11 @@ class Soak:
             sock.close()
 
     def non_reader(self, stop: threading.Event) -> None:
-        body = json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": 400, "stream": True,
+        # ~1.8 MB a stream: three outgrow the socket buffers, and the server's writes block
+        body = json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": 1000, "stream": True,
                            "ignore_eos": True, "logprobs": True, "top_logprobs": 20}).encode()
         sock = self._raw(self._request(body, "/v1/chat/completions") * 3, rcvbuf=4096)
-        stop.wait(self.args.write_timeout + 2)  # never reads; the server cuts it after --write-timeout
+        stop.wait(20)  # never reads; the server cuts it --write-timeout after its writes block
         sock.close()
 
     def huge_prompt(self, stop: threading.Event) -> None:
