@@ -253,7 +253,8 @@ def eval_cmd(artifact: Path, data: Path, chunk_len: int, max_tokens: int | None,
               help="Require `Authorization: Bearer KEY` on /v1/* (env OPTIMIZE_API_KEY).")
 @click.option("--served-model-name", default=None, help="Model id in the API (default: the artifact's name).")
 @click.option("--max-waiting", default=256, show_default=True,
-              help="Accepted requests not yet running at most; beyond it: 429 with Retry-After.")
+              help="Requests the engine has not finished, outside its running batch, at most; beyond it: "
+                   "429 with Retry-After.")
 @click.option("--request-timeout", default=600.0, show_default=True, help="Seconds a request may take in all.")
 @click.option("--max-body-bytes", default=1 << 20, show_default=True, help="Largest request body.")
 @click.option("--shutdown-grace", default=30.0, show_default=True,

@@ -25,17 +25,25 @@ fallback format is, for each message, `### <Role>:\n<content>\n\n`, then `### As
 (Role capitalised; content parts of type "text" are joined).
 
 Errors are OpenAI-style: `{"error": {"message", "type", "param", "code"}}`; `_ERRORS` maps each
-kind to its status. Admission: requests accepted and not running are bounded by --max-waiting
-(429 with Retry-After beyond it); prompt + max_tokens over the context, bad types or values and
-bodies over --max-body-bytes are 400; a wrong or missing API key is 401 (when --api-key is set;
+kind to its status; each refused request logs one line (WARNING; INFO for 429/503), a 500 its
+traceback. Admission: requests the engine has not finished, outside its running batch, are bounded
+by --max-waiting (429 with Retry-After beyond it), and per client address by
+--max-requests-per-client; prompt + max_tokens over the context, bad types or values, lone
+surrogates, JSON nested too deep and bodies over --max-body-bytes are 400; a POST that is not
+`Content-Type: application/json` is 415; a wrong or missing API key is 401 (when --api-key is set;
 /health, /ready and /metrics stay open for probes and scrapers); a request that runs longer than
---request-timeout is aborted (408, or an error event on a stream). A client that disconnects
-aborts its request, which frees its KV blocks before the engine's next step.
+--request-timeout is aborted (408, or an error event on a stream). A client that disconnects, or
+does not read for --write-timeout, aborts its request, which frees its KV blocks before the
+engine's next step. Slow clients: --header-timeout, --body-timeout and --max-connections (see
+`_GuardedHandler`). Prefix-cache isolation: `cache_salt` and --cache-salt-header. CORS: off unless
+--cors-origin.
 
 Lifecycle: the socket is bound first (so /health answers during loading), then the artifact is
 verified (sha256 of every file), loaded and warmed up on a worker thread, and /ready turns 200.
 SIGTERM (or SIGINT) stops admitting (/ready 503, new connections refused), lets in-flight requests
-finish for up to --shutdown-grace seconds (then aborts them), stops the engine and exits 0.
+finish for up to --shutdown-grace seconds (then ends them: streams get an error event and [DONE],
+others a 503), stops the engine and exits 0. If the engine thread dies, requests in flight get an
+error and the process exits 1 (its supervisor restarts it).
 """
 
 from __future__ import annotations
@@ -688,8 +696,11 @@ class Server:
         return app
 
     def _log_refused(self, request: web.Request, err: APIError) -> None:
-        log.warning("%s %s from %s -> %d %s: %s", request.method, request.path, request.remote, err.status,
-                    err.code or err.kind.value, err.message)
+        """One line per refused request, no traceback: WARNING for bad input, INFO for capacity (429/503,
+        which come in bursts and are counted in /metrics)."""
+        level = logging.INFO if err.kind in (ErrorKind.QUEUE_FULL, ErrorKind.UNAVAILABLE) else logging.WARNING
+        log.log(level, "%s %s from %s -> %d %s: %s", request.method, request.path, request.remote, err.status,
+                err.code or err.kind.value, err.message)
 
     @web.middleware
     async def _errors_middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
