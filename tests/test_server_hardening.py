@@ -534,3 +534,30 @@ def test_engine_thread_death_fails_requests_and_exits_1(demo_artifact: Path) -> 
     assert result == [1], lines
     assert b'"code":"engine_dead"' in data and data.endswith(b"\r\n0\r\n\r\n"), data[-300:]
     assert any("engine stopped" in line and "status 1" in line for line in lines), lines
+
+
+def test_scheduler_root_isolates_prefix_cache_in_c_and_twin() -> None:
+    from runtime.core import reference
+    from runtime.core._cwrap import Scheduler as CScheduler
+
+    for cls in (CScheduler, reference.Scheduler):
+        s = cls(reference.SchedulerConfig(block_size=4, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=64,
+                                          max_model_len=64))
+        prompt = list(range(10, 22))  # three full blocks
+
+        def run(seq: int, root: int, s: Any = s, prompt: list[int] = prompt) -> int:
+            s.add(seq, prompt, root)
+            batch = s.schedule()
+            cached = s.seq_num_cached(seq)
+            s.update(batch, {e.seq_id: 1 for e in batch.entries if e.needs_logits})
+            s.finish(seq)
+            return cached
+
+        # root 0 is the shared cache; another root never sees its blocks, the same root does
+        assert [run(0, 0), run(1, 7), run(2, 7), run(3, 0), run(4, 2**64 - 1)] == [0, 0, 8, 8, 0], cls
+        for bad in (-1, 2**64, True, "salt"):
+            try:
+                s.add(99, prompt, bad)  # type: ignore[arg-type]
+            except ValueError:
+                continue
+            raise AssertionError(f"{cls.__name__} accepted root {bad!r}")

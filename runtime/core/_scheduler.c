@@ -833,14 +833,22 @@ static int S_init(Sched *s, PyObject *args, PyObject *kwds) {
 /* ---- lifecycle -------------------------------------------------------------------------- */
 
 static PyObject *S_add(Sched *s, PyObject *args) {
-    PyObject *sid_obj, *prompt;
+    PyObject *sid_obj, *prompt, *root_obj = NULL;
     unsigned long long root = 0;
-    if (check_ready(s) < 0 || !PyArg_ParseTuple(args, "OO|K:add", &sid_obj, &prompt, &root)) {
+    if (check_ready(s) < 0 || !PyArg_ParseTuple(args, "OO|O:add", &sid_obj, &prompt, &root_obj)) {
         return NULL;
     }
     int64_t id;
     if (parse_seq_id(sid_obj, &id) < 0) {
         return NULL;
+    }
+    if (root_obj != NULL) {
+        root = PyLong_Check(root_obj) && !PyBool_Check(root_obj) ? PyLong_AsUnsignedLongLong(root_obj) : (unsigned long long)-1;
+        if ((root == (unsigned long long)-1 && PyErr_Occurred()) || !PyLong_Check(root_obj) || PyBool_Check(root_obj)) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_ValueError, "sequence %lld: root must be an integer in [0, 2**64)", (long long)id);
+            return NULL;
+        }
     }
     if (smap_get(s, id) != NULL) {
         PyErr_Format(PyExc_ValueError, "sequence id %lld is already in the scheduler", (long long)id);
