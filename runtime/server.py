@@ -12,8 +12,8 @@ Endpoints:
 Request fields: max_tokens (chat: also max_completion_tokens), temperature (default 1), top_p,
 top_k (extension; -1 or 0 = off), seed, stop (a string or a list), n (only 1), stream,
 stream_options.include_usage, logprobs (completions: 0..20 alternatives; chat: bool with
-top_logprobs 0..20), echo (completions, not with logprobs), and the vLLM extensions ignore_eos and
-stop_token_ids. Logprobs are log_softmax of the model's raw logits (before temperature/top-k/top-p).
+top_logprobs 0..20), echo (completions, not with logprobs), and the vLLM extensions ignore_eos,
+stop_token_ids and cache_salt (requests share prefix-cache blocks only with the same salt). Logprobs are log_softmax of the model's raw logits (before temperature/top-k/top-p).
 presence_penalty, frequency_penalty, repetition_penalty and min_p go to the sampler where this
 runtime's SamplingParams has them (else 400 unless neutral); logit_bias, best_of, suffix, tools
 and non-text response_format are refused (400) unless neutral; other unknown fields are ignored. completions default to 16
