@@ -526,9 +526,13 @@ class _GuardedHandler(RequestHandler):
             self._header_timer.cancel()
             self._header_timer = None
 
+    def _busy(self) -> bool:
+        """A request is being handled or a parsed one is queued (aiohttp's own state)."""
+        return bool(getattr(self, "_request_in_progress", False) or getattr(self, "_messages", None))
+
     def _headers_late(self) -> None:
         self._header_timer = None
-        if self._request_in_progress or self._messages or self.transport is None:
+        if self._busy() or self.transport is None:
             return
         self._guard.metrics.drop("header_timeout")
         self.force_close()
@@ -539,7 +543,7 @@ class _GuardedHandler(RequestHandler):
         try:
             return await super()._handle_request(request, start_time, request_handler)
         finally:
-            if self._counted and not self._messages and self.transport is not None:
+            if self._counted and not getattr(self, "_messages", None) and self.transport is not None:
                 self._arm()  # the next request's headers get header_timeout from now
 
 
