@@ -253,7 +253,8 @@ def eval_cmd(artifact: Path, data: Path, chunk_len: int, max_tokens: int | None,
               help="Require `Authorization: Bearer KEY` on /v1/* (env OPTIMIZE_API_KEY).")
 @click.option("--served-model-name", default=None, help="Model id in the API (default: the artifact's name).")
 @click.option("--max-waiting", default=256, show_default=True,
-              help="Accepted requests not yet running at most; beyond it: 429 with Retry-After.")
+              help="Requests the engine has not finished, outside its running batch, at most; beyond it: "
+                   "429 with Retry-After.")
 @click.option("--request-timeout", default=600.0, show_default=True, help="Seconds a request may take in all.")
 @click.option("--max-body-bytes", default=1 << 20, show_default=True, help="Largest request body.")
 @click.option("--shutdown-grace", default=30.0, show_default=True,
@@ -268,10 +269,29 @@ def eval_cmd(artifact: Path, data: Path, chunk_len: int, max_tokens: int | None,
 @click.option("--cuda-graphs", type=click.Choice(["auto", "padded", "off"]), default=None,
               help="Decode-bucket CUDA graphs (torch and ONNX Runtime CUDA artifacts): auto captures them on a "
                    "GPU; padded runs the padded static-shape step uncaptured; off runs every step eagerly.")
+@click.option("--header-timeout", default=10.0, show_default=True,
+              help="Seconds a connection gets to send a request's headers (from opening or its last response).")
+@click.option("--body-timeout", default=30.0, show_default=True, help="Seconds a request's body may take to arrive.")
+@click.option("--write-timeout", default=30.0, show_default=True,
+              help="Seconds a write may wait for a client that does not read; then its request is aborted.")
+@click.option("--max-connections", default=512, show_default=True,
+              help="Open connections at most; one more is answered 503 and closed.")
+@click.option("--max-requests-per-client", default=0, show_default=True,
+              help="Unfinished requests per client address at most, beyond it 429 (0: no bound).")
+@click.option("--max-stop-strings", default=16, show_default=True, help="Stop strings per request at most.")
+@click.option("--max-stop-chars", default=256, show_default=True, help="Characters per stop string at most.")
+@click.option("--tokenizer-threads", default=2, show_default=True,
+              help="Threads that tokenize prompts and render chat templates (off the event loop).")
+@click.option("--cache-salt-header", default=None,
+              help="Isolate the prefix cache by this request header's value (e.g. Authorization: per API key, or "
+                   "a tenant header set by the gateway); default: one cache shared by all requests.")
+@click.option("--cors-origin", "cors_origins", multiple=True,
+              help="Allow cross-site requests from this origin (repeatable; * for any). Default: no CORS.")
 def serve(artifact: Path, host: str, port: int, api_key: str | None, served_model_name: str | None,
           max_waiting: int, request_timeout: float, max_body_bytes: int, shutdown_grace: float,
           num_kv_blocks: int | None, max_num_seqs: int | None, max_num_batched_tokens: int | None,
-          max_model_len: int | None, threads: int | None, device: str | None, cuda_graphs: str | None) -> None:
+          max_model_len: int | None, threads: int | None, device: str | None, cuda_graphs: str | None,
+          **limits: object) -> None:
     """Serve ARTIFACT over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /metrics)."""
     from runtime.server import ServerConfig
     from runtime.server import serve as run_server
@@ -283,7 +303,7 @@ def serve(artifact: Path, host: str, port: int, api_key: str | None, served_mode
                               shutdown_grace=shutdown_grace, num_kv_blocks=num_kv_blocks,
                               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                               max_model_len=max_model_len, threads=threads, device=device,
-                              cuda_graphs=cuda_graphs)
+                              cuda_graphs=cuda_graphs, **limits)  # type: ignore[arg-type]
         config.validate()
     except ValueError as e:
         _fail(str(e))

@@ -345,6 +345,159 @@ class Artifact:
         """sha256 of the manifest.json bytes: one id for everything the artifact holds."""
         return sha256_file(self.root / MANIFEST)
 
+    def check_runtime(self, *, num_blocks: int | None = None, max_model_len: int | None = None,
+                      device: str | None = None) -> dict[str, Any]:
+        """runtime.json, checked against the model before anything is allocated (ArtifactError if wrong).
+
+        Checks the types of the fields the runtime reads; that the context (max_model_len, or the
+        override) fits the model's positions (model.max_position_embeddings and the rows of the ONNX
+        graph's rotary cache); and, on the CPU, that the KV pool fits the memory available now.
+        `num_blocks` / `max_model_len` / `device`: the serving overrides.
+        """
+        path = self.root / "runtime.json"
+        cfg = self.runtime_config
+        sched = _section(cfg, "scheduler", path)
+        kv = _section(cfg, "kv_cache", path)
+        model = _section(cfg, "model", path)
+        for key in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            _positive(sched, key, f"{path}: scheduler.{key}")
+        _positive(kv, "block_size", f"{path}: kv_cache.block_size")
+        if "num_blocks" in kv or num_blocks is None:
+            _positive(kv, "num_blocks", f"{path}: kv_cache.num_blocks")
+        _positive(model, "vocab_size", f"{path}: model.vocab_size")
+        context = min(max_model_len or sched["max_model_len"], sched["max_model_len"])
+        positions = model.get("max_position_embeddings")
+        if positions is not None:
+            _positive(model, "max_position_embeddings", f"{path}: model.max_position_embeddings")
+            if context > positions:
+                raise ArtifactError(f"{path}: scheduler.max_model_len {context} is over the model's "
+                                    f"max_position_embeddings {positions}")
+        rows = _rotary_rows(self.root / str(cfg.get("model_file", "model.onnx")))
+        if rows is not None and context > rows:
+            raise ArtifactError(f"{path}: scheduler.max_model_len {context} is over the {rows} positions of the "
+                                "model's rotary cache (rotary_cos_cache)")
+        geometry = [model.get(k) for k in ("num_layers", "num_kv_heads", "head_dim")]
+        if (device or cfg.get("device", "cpu")) == "cpu" and all(_is_pos_int(v) for v in geometry):
+            blocks = num_blocks or kv["num_blocks"]
+            width = _DTYPE_BYTES.get(str(kv.get("dtype", "float32")), 4)
+            layers, heads, dim = geometry
+            need = 2 * layers * blocks * kv["block_size"] * heads * dim * width
+            free = _available_memory()
+            if free is not None and need > free:
+                raise ArtifactError(f"{path}: a KV pool of {blocks} blocks needs {need / 2**30:.1f} GiB; "
+                                    f"{free / 2**30:.1f} GiB of memory is available (lower kv_cache.num_blocks "
+                                    "or --num-kv-blocks)")
+        return cfg
+
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "uint8": 1, "float8_e4m3fn": 1,
+                "fp8": 1, "int4": 1}
+
+
+def _is_pos_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+def _section(cfg: dict[str, Any], name: str, path: Path) -> dict[str, Any]:
+    section = cfg.get(name)
+    if not isinstance(section, dict):
+        raise ArtifactError(f"{path}: '{name}' must be an object")
+    return section
+
+
+def _positive(section: dict[str, Any], key: str, where: str) -> int:
+    v = section.get(key)
+    if not _is_pos_int(v):
+        raise ArtifactError(f"{where} must be a positive integer, got {v!r}")
+    return v
+
+
+def _rotary_rows(model_file: Path) -> int | None:
+    """Rows of the ONNX graph's rotary_cos_cache initializer (the positions it can rotate), or None when
+    there is none. Reads the protobuf wire format directly (model -> graph -> initializer: name, dims),
+    skipping every other field, so the serving side needs no `onnx` package."""
+    if model_file.suffix != ".onnx" or not model_file.is_file():
+        return None
+    import mmap
+
+    try:
+        with open(model_file, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            for field_no, start, end in _pb_fields(buf, 0, len(buf)):
+                if field_no != 7:  # ModelProto.graph
+                    continue
+                for gfield, gs, ge in _pb_fields(buf, start, end):
+                    if gfield != 5:  # GraphProto.initializer (TensorProto)
+                        continue
+                    name, dims = None, []
+                    for tfield, ts, te in _pb_fields(buf, gs, ge, varints=True):
+                        if tfield == 8:
+                            name = bytes(buf[ts:te])
+                        elif tfield == 1:  # dims: one varint, or packed varints
+                            dims.extend(_pb_varints(buf, ts, te) if te > ts else [ts])
+                    if name == b"rotary_cos_cache" and dims:
+                        return int(dims[0])
+    except (OSError, ValueError, IndexError) as exc:
+        raise ArtifactError(f"{model_file}: not a readable ONNX model: {exc}") from exc
+    return None
+
+
+def _pb_varint(buf: Any, i: int) -> tuple[int, int]:
+    value, shift = 0, 0
+    while True:
+        b = buf[i]
+        i += 1
+        value |= (b & 0x7F) << shift
+        if b < 0x80:
+            return value, i
+        shift += 7
+        if shift > 63:
+            raise ValueError("a varint longer than 10 bytes")
+
+
+def _pb_varints(buf: Any, start: int, end: int) -> list[int]:
+    out = []
+    while start < end:
+        v, start = _pb_varint(buf, start)
+        out.append(v)
+    return out
+
+
+def _pb_fields(buf: Any, start: int, end: int, varints: bool = False) -> Any:
+    """(field number, start, end) of each length-delimited field in buf[start:end]; with `varints`, a
+    varint field is yielded as (field number, value, value) (an empty range holding its value)."""
+    i = start
+    while i < end:
+        key, i = _pb_varint(buf, i)
+        field_no, wire = key >> 3, key & 7
+        if wire == 0:
+            v, i = _pb_varint(buf, i)
+            if varints:
+                yield field_no, v, v
+        elif wire == 1:
+            i += 8
+        elif wire == 5:
+            i += 4
+        elif wire == 2:
+            n, i = _pb_varint(buf, i)
+            if i + n > end:
+                raise ValueError("a field runs past its message")
+            yield field_no, i, i + n
+            i += n
+        else:
+            raise ValueError(f"protobuf wire type {wire} is not read here")
+
+
+def _available_memory() -> int | None:
+    """Bytes of memory available now (MemAvailable), None where unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
 
 def check_version_unused(output_root: Path, name: str, version: str) -> Path:
     """``output_root/name/version``, refusing a version folder that already holds anything."""
@@ -439,7 +592,17 @@ def pass_changes(entry: dict[str, Any]) -> str:
 
 
 def describe(manifest: dict[str, Any]) -> list[tuple[str, str]]:
-    """(label, value) rows summarising a manifest, for ``optimize inspect``."""
+    """(label, value) rows summarising a manifest, for ``optimize inspect``; a readable manifest with
+    fields of unexpected types is shown raw, field by field, rather than refused."""
+    try:
+        return _describe(manifest)
+    except (TypeError, ValueError, AttributeError, KeyError, IndexError) as exc:
+        log.debug("describe: falling back to raw fields", exc_info=True)
+        return [*((str(k), _line(v)) for k, v in manifest.items()),
+                ("note", f"some fields have unexpected types ({type(exc).__name__}: {_line(exc, 120)}); shown raw")]
+
+
+def _describe(manifest: dict[str, Any]) -> list[tuple[str, str]]:
     rows: list[tuple[str, str]] = [
         ("name", _line(manifest.get("name"))),
         ("version", _line(manifest.get("version"))),

@@ -12,8 +12,15 @@ step. Between steps the thread drains the inbox, so an abort (a client that went
 timeout) frees the request's KV blocks before the next step runs. When nothing is in flight the
 thread blocks on the inbox and costs nothing.
 
-Admission (the bounded waiting queue) is decided on the HTTP side: requests accepted but not yet
-running may not exceed `max_waiting`; one more raises `QueueFull` (the server answers 429).
+Admission (the bounded waiting queue) is decided on the HTTP side: requests the engine has not
+finished and that are not in its running batch may not exceed `max_waiting`; one more raises
+`QueueFull` (the server answers 429). A request counts from admission until the engine finished it
+(its last output, an error, or an abort), not until its handler returns: a finished request whose
+client is slow to read holds no slot. With `max_per_client`, one client (a key the server picks:
+peer address or tenant) may have at most that many unfinished requests.
+
+If the engine thread dies (an error in a step), every request in flight gets `EngineDeadError` and
+`on_death` is called on the event loop; the server then exits non-zero so its supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +61,8 @@ class GenerateRequest:
     params: SamplingParams
     logprobs: int | None = None  # None: none; N: each token's logprob plus the top N
     arrival: float = field(default_factory=time.perf_counter)  # perf_counter() at receipt
+    cache_salt: str | None = None  # only requests with the same salt share prefix-cache blocks
+    client: str | None = None  # the per-client admission key (None: not counted per client)
 
 
 @dataclass
@@ -80,8 +89,10 @@ class RequestStream:
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self.finished = False
+        self.finished = False  # the consumer saw its last item
+        self.engine_done = False  # the engine finished it (or failed it): it holds no admission slot
         self.abort_reason = "abort"  # what an early exit is recorded as ("timeout" after a timeout)
+        self.client: str | None = None  # its per-client admission key
 
     def _put(self, item: RequestOutput | BaseException) -> None:
         self._queue.put_nowait(item)
@@ -103,12 +114,17 @@ class RequestStream:
 class AsyncEngine:
     """Runs `engine` on its own thread; `generate()` from the event loop streams a request's outputs."""
 
-    def __init__(self, engine: LLMEngine, metrics: ServingMetrics, *, max_waiting: int) -> None:
+    def __init__(self, engine: LLMEngine, metrics: ServingMetrics, *, max_waiting: int, max_per_client: int = 0,
+                 on_death: Callable[[BaseException], None] | None = None) -> None:
         if max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
         self.engine = engine
         self.metrics = metrics
         self.max_waiting = max_waiting
+        self.max_per_client = max_per_client  # 0: no per-client bound
+        self.on_death = on_death
+        self._unfinished = 0  # event-loop thread only: admitted and not finished by the engine
+        self._per_client: dict[str, int] = {}  # event-loop thread only: unfinished requests per client
         self.snapshot = EngineSnapshot()  # replaced (not mutated) by the engine thread
         self.error: BaseException | None = None  # set when the engine thread died
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -146,9 +162,35 @@ class AsyncEngine:
         return self._in_flight
 
     @property
+    def num_unfinished(self) -> int:
+        """Admitted requests the engine has not finished (their handlers may still be writing)."""
+        return self._unfinished
+
+    @property
     def num_waiting(self) -> int:
-        """Accepted requests not in the running batch (an upper bound between engine steps)."""
-        return max(0, self._in_flight - self.snapshot.running)
+        """Unfinished requests not in the running batch (an upper bound between engine steps)."""
+        return max(0, self._unfinished - self.snapshot.running)
+
+    def fail_all(self, exc: BaseException) -> None:
+        """End every request in flight with `exc` (their handlers then abort them in the engine)."""
+        for stream in list(self._streams.values()):
+            if not stream.engine_done:
+                self._engine_done(stream)
+                self._inbox.put(_Abort(stream.request_id, "abort"))
+                stream._put(exc)
+
+    def _engine_done(self, stream: RequestStream) -> None:
+        if stream.engine_done:
+            return
+        stream.engine_done = True
+        self._unfinished -= 1
+        key = stream.client
+        if key is not None:
+            left = self._per_client.get(key, 1) - 1
+            if left > 0:
+                self._per_client[key] = left
+            else:
+                self._per_client.pop(key, None)
 
     # ---- requests (event-loop thread) ---------------------------------------------------------
 
@@ -163,18 +205,27 @@ class AsyncEngine:
             raise EngineDeadError(f"the engine is not running ({self.error or 'stopped'})")
         if self.num_waiting >= self.max_waiting:
             raise QueueFull(f"{self.num_waiting} requests are waiting (capacity {self.max_waiting})")
+        client = req.client if self.max_per_client > 0 else None
+        if client is not None and self._per_client.get(client, 0) >= self.max_per_client:
+            raise QueueFull(f"this client has {self._per_client[client]} requests in flight "
+                            f"(at most {self.max_per_client} per client)")
         if req.request_id in self._streams:
             raise ValueError(f"request id {req.request_id!r} is already in flight")
         stream = RequestStream(req.request_id)
+        stream.client = client
         self._streams[req.request_id] = stream
         self._in_flight += 1
+        self._unfinished += 1
+        if client is not None:
+            self._per_client[client] = self._per_client.get(client, 0) + 1
         with self._lock:
             self._pending_adds += 1
         self._inbox.put(req)
         try:
             yield stream
         finally:
-            if not stream.finished:
+            if not stream.engine_done:  # left early: the engine still has it
+                self._engine_done(stream)
                 self._inbox.put(_Abort(req.request_id, stream.abort_reason))
             self._streams.pop(req.request_id, None)
             self._in_flight -= 1
@@ -182,7 +233,9 @@ class AsyncEngine:
     def _dispatch(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
         for rid, item in items:
             stream = self._streams.get(rid)
-            if stream is not None:
+            if stream is not None and not stream.engine_done:
+                if isinstance(item, BaseException) or item.finished:
+                    self._engine_done(stream)
                 stream._put(item)
 
     def _deliver(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
@@ -223,6 +276,11 @@ class AsyncEngine:
                 self._publish()
             except Exception:  # pragma: no cover - the engine is already broken
                 log.exception("cleaning up after the engine thread failed")
+            if self.error is not None and self.on_death is not None and self._loop is not None:
+                try:  # after the errors above were handed over, so requests see the engine's error first
+                    self._loop.call_soon_threadsafe(self.on_death, self.error)
+                except RuntimeError:  # the event loop is closed
+                    pass
 
     def _drain(self, block: bool) -> bool:
         """Apply every pending add/abort (waiting for one when idle); False when told to stop."""
@@ -241,8 +299,9 @@ class AsyncEngine:
                 continue
             req: GenerateRequest = msg
             try:
-                self.engine.add_request(req.request_id, req.prompt_ids, req.params,
-                                        arrival=req.arrival, logprobs=req.logprobs)
+                salted = {"cache_salt": req.cache_salt} if req.cache_salt else {}
+                self.engine.add_request(req.request_id, req.prompt_ids, req.params, arrival=req.arrival,
+                                        logprobs=req.logprobs, **salted)
             except ValueError as exc:
                 errors.append((req.request_id, exc))
             else:

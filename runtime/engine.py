@@ -8,6 +8,7 @@ conditions. The scheduler (runtime/core) owns the KV blocks; the backend sees on
 from __future__ import annotations
 
 import enum
+import hashlib
 import itertools
 import json
 import logging
@@ -19,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from runtime.artifact import Artifact
+from runtime.artifact import Artifact, ArtifactError
 from runtime.core import CORE_IMPL, RNG, Scheduler, SchedulerConfig
 from runtime.sampling import Sampler, SamplingParams, make_generator
 
@@ -99,15 +100,32 @@ class _Request:
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
+def load_tokenizer(folder: Path) -> Any:
+    """tokenizers' Tokenizer from folder/tokenizer.json; ArtifactError when it is missing or garbage."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    path = folder / "tokenizer.json"
+    try:
+        tok = HFTokenizer.from_file(str(path))
+        if tok.get_vocab_size() < 1:
+            raise ValueError("an empty vocabulary")
+    except Exception as exc:  # tokenizers raises a bare Exception on a malformed file
+        raise ArtifactError(f"{path}: not a readable tokenizer: {exc}") from exc
+    return tok
+
+
 class Tokenizer:
     """The artifact's tokenizer (tokenizers' Tokenizer from tokenizer/tokenizer.json)."""
 
     def __init__(self, folder: Path) -> None:
-        from tokenizers import Tokenizer as HFTokenizer
-
-        self._tok = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+        self._tok = load_tokenizer(folder)
         cfg_path = folder / "tokenizer_config.json"
-        self.config: dict[str, Any] = json.loads(cfg_path.read_text("utf-8")) if cfg_path.is_file() else {}
+        try:
+            self.config: dict[str, Any] = json.loads(cfg_path.read_text("utf-8")) if cfg_path.is_file() else {}
+        except (OSError, ValueError) as exc:
+            raise ArtifactError(f"{cfg_path}: unreadable: {exc}") from exc
+        if not isinstance(self.config, dict):
+            raise ArtifactError(f"{cfg_path}: must hold a JSON object")
         self.vocab_size = self._tok.get_vocab_size()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -167,8 +185,16 @@ class LLMEngine:
         graphs: str | None = None,
     ) -> None:
         self.artifact = artifact if isinstance(artifact, Artifact) else Artifact.open(artifact, verify=verify)
-        cfg = self.artifact.runtime_config
-        self.backend = _load_backend(self.artifact, num_blocks, threads, device, graphs)
+        cfg = self.artifact.check_runtime(num_blocks=num_blocks, max_model_len=max_model_len, device=device)
+        try:
+            self.backend = _load_backend(self.artifact, num_blocks, threads, device, graphs)
+        except (ArtifactError, RuntimeError, ValueError):
+            raise
+        except MemoryError as exc:
+            raise ArtifactError(f"{self.artifact.root}: not enough memory to load the model and its KV pool "
+                                f"({exc or 'MemoryError'})") from exc
+        except Exception as exc:  # ONNX Runtime's own exception types for a corrupt graph
+            raise ArtifactError(f"{self.artifact.model_path}: the model could not be loaded: {exc}") from exc
         sched = cfg["scheduler"]
         self.scheduler_config = SchedulerConfig(
             block_size=self.backend.block_size,
@@ -194,9 +220,11 @@ class LLMEngine:
     # ---- requests -----------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    *, arrival: float | None = None, logprobs: int | None = None) -> None:
+                    *, arrival: float | None = None, logprobs: int | None = None,
+                    cache_salt: str | None = None) -> None:
         """Queue a request. `arrival`: its perf_counter() receive time (default now); `logprobs`: N
-        to get each generated token's logprob plus the top N (RequestOutput.new_logprobs)."""
+        to get each generated token's logprob plus the top N (RequestOutput.new_logprobs);
+        `cache_salt`: only requests with the same salt (or none) share prefix-cache blocks."""
         params = params or SamplingParams()
         if logprobs is not None and (not isinstance(logprobs, int) or isinstance(logprobs, bool) or logprobs < 0):
             raise ValueError(f"logprobs must be None or an integer >= 0, got {logprobs!r}")
@@ -220,7 +248,7 @@ class LLMEngine:
         req = _Request(request_id, seq_id, ids, params, make_generator(params.seed),
                        RequestMetrics(arrival=time.perf_counter() if arrival is None else arrival),
                        num_logprobs=logprobs)
-        self.scheduler.add(seq_id, ids)
+        self.scheduler.add(seq_id, ids, cache_root(cache_salt))
         self._requests[request_id] = req
         self._by_seq[seq_id] = req
         self.stats["prompt_tokens"] += len(ids)
@@ -320,11 +348,8 @@ class LLMEngine:
         if not finished:
             if r.text.endswith("\ufffd"):
                 visible = len(r.text.rstrip("\ufffd"))
-            for s in r.params.stop:
-                for k in range(min(len(s) - 1, visible), 0, -1):
-                    if r.text[:visible].endswith(s[:k]):
-                        visible -= k
-                        break
+            if r.params.stop:
+                visible -= _held_back(r.text, visible, r.params.stop)
         visible = max(visible, r.emitted)
         new_text = r.text[r.emitted:visible]
         new_ids = r.output_ids[r.emitted_tokens:]
@@ -359,6 +384,39 @@ def _token_logprob(row: np.ndarray, token: int, n: int) -> TokenLogprob:
         idx = idx[np.argsort(-x[idx], kind="stable")]
         best = [(int(i), float(x[i] - logz)) for i in idx]
     return TokenLogprob(token, float(x[token] - logz), best)
+
+
+def cache_root(salt: str | None) -> int:
+    """The scheduler's root hash for a cache salt: 0 without one (the shared cache)."""
+    if not salt:
+        return 0
+    digest = hashlib.blake2b(salt.encode("utf-8", "surrogatepass"), digest_size=8, person=b"cache-salt").digest()
+    return int.from_bytes(digest, "little") or 1
+
+
+def _held_back(text: str, end: int, stops: list[str]) -> int:
+    """Length of the longest suffix of text[:end] that is a proper prefix of a stop string.
+
+    Never copies `text`: the candidates are the prefixes of a stop string that end with the text's
+    last character (found with `str.rfind`), each compared in place at its offset, so a step costs
+    O(total stop length), whatever the length of the text generated so far.
+    """
+    if end <= 0:
+        return 0
+    last = text[end - 1]
+    best = 0
+    for s in stops:
+        k = min(len(s) - 1, end)
+        while k > best:
+            i = s.rfind(last, 0, k)
+            if i < best:
+                break
+            k = i + 1
+            if text.startswith(s[:k], end - k, end):
+                best = k
+                break
+            k -= 1
+    return best
 
 
 def _find_stop(text: str, stops: list[str], emitted: int) -> int | None:

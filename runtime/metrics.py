@@ -24,6 +24,8 @@ Every sample carries the artifact's constant labels (`model_name`, `model_versio
     optimize_kv_cache_usage_ratio                  gauge      used / total
     optimize_prefix_cache_queries_total / _hits_total  counter  prompt tokens looked up / found cached
     optimize_prefix_cache_hit_rate                 gauge      hits / queries since start
+    optimize_open_connections                      gauge      HTTP connections open now
+    optimize_connections_dropped_total{reason}     counter    closed by the server (header_timeout, ...)
     optimize_preemptions_total                     counter    sequences preempted (freed, recomputed)
 
 Latency histograms cover requests that finished with `stop` or `length`; aborted and timed-out
@@ -214,11 +216,15 @@ class ServingMetrics:
         self.prefix_hits = Counter(p + "prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", c)
         self.prefix_hit_rate = Gauge(p + "prefix_cache_hit_rate", "Prefix-cache hits / queries since start.", c)
         self.preemptions = Counter(p + "preemptions_total", "Sequences preempted (blocks freed, recomputed).", c)
+        self.open_connections = Gauge(p + "open_connections", "HTTP connections open now.", c)
+        self.dropped = Counter(p + "connections_dropped_total",
+                               "Connections closed by the server (slow or excess clients), by reason.", c, ["reason"])
         self._all: list[Counter | Gauge | Histogram] = [
             self.queue_time, self.prefill_time, self.ttft, self.itl, self.tpot, self.e2e,
             self.prompt_tokens, self.generation_tokens, self.finished, self.rejected,
             self.running, self.waiting, self.kv_used, self.kv_free, self.kv_usage,
             self.prefix_queries, self.prefix_hits, self.prefix_hit_rate, self.preemptions,
+            self.open_connections, self.dropped,
         ]
         for reason in ("stop", "length", "abort", "timeout"):
             self.finished.values[(reason,)] = 0.0
@@ -266,6 +272,14 @@ class ServingMetrics:
     def reject(self, reason: str) -> None:
         with self.lock:
             self.rejected.inc(reason=reason)
+
+    def set_open_connections(self, n: int) -> None:
+        with self.lock:
+            self.open_connections.set(n)
+
+    def drop(self, reason: str) -> None:
+        with self.lock:
+            self.dropped.inc(reason=reason)
 
     def mean_e2e(self) -> float | None:
         with self.lock:

@@ -12,8 +12,8 @@ Endpoints:
 Request fields: max_tokens (chat: also max_completion_tokens), temperature (default 1), top_p,
 top_k (extension; -1 or 0 = off), seed, stop (a string or a list), n (only 1), stream,
 stream_options.include_usage, logprobs (completions: 0..20 alternatives; chat: bool with
-top_logprobs 0..20), echo (completions, not with logprobs), and the vLLM extensions ignore_eos and
-stop_token_ids. Logprobs are log_softmax of the model's raw logits (before temperature/top-k/top-p).
+top_logprobs 0..20), echo (completions, not with logprobs), and the vLLM extensions ignore_eos,
+stop_token_ids and cache_salt (requests share prefix-cache blocks only with the same salt). Logprobs are log_softmax of the model's raw logits (before temperature/top-k/top-p).
 presence_penalty, frequency_penalty, repetition_penalty and min_p go to the sampler where this
 runtime's SamplingParams has them (else 400 unless neutral); logit_bias, best_of, suffix, tools
 and non-text response_format are refused (400) unless neutral; other unknown fields are ignored. completions default to 16
@@ -25,22 +25,31 @@ fallback format is, for each message, `### <Role>:\n<content>\n\n`, then `### As
 (Role capitalised; content parts of type "text" are joined).
 
 Errors are OpenAI-style: `{"error": {"message", "type", "param", "code"}}`; `_ERRORS` maps each
-kind to its status. Admission: requests accepted and not running are bounded by --max-waiting
-(429 with Retry-After beyond it); prompt + max_tokens over the context, bad types or values and
-bodies over --max-body-bytes are 400; a wrong or missing API key is 401 (when --api-key is set;
+kind to its status; each refused request logs one line (WARNING; INFO for 429/503), a 500 its
+traceback. Admission: requests the engine has not finished, outside its running batch, are bounded
+by --max-waiting (429 with Retry-After beyond it), and per client address by
+--max-requests-per-client; prompt + max_tokens over the context, bad types or values, lone
+surrogates, JSON nested too deep and bodies over --max-body-bytes are 400; a POST that is not
+`Content-Type: application/json` is 415; a wrong or missing API key is 401 (when --api-key is set;
 /health, /ready and /metrics stay open for probes and scrapers); a request that runs longer than
---request-timeout is aborted (408, or an error event on a stream). A client that disconnects
-aborts its request, which frees its KV blocks before the engine's next step.
+--request-timeout is aborted (408, or an error event on a stream). A client that disconnects, or
+does not read for --write-timeout, aborts its request, which frees its KV blocks before the
+engine's next step. Slow clients: --header-timeout, --body-timeout and --max-connections (see
+`_GuardedHandler`). Prefix-cache isolation: `cache_salt` and --cache-salt-header. CORS: off unless
+--cors-origin.
 
 Lifecycle: the socket is bound first (so /health answers during loading), then the artifact is
 verified (sha256 of every file), loaded and warmed up on a worker thread, and /ready turns 200.
 SIGTERM (or SIGINT) stops admitting (/ready 503, new connections refused), lets in-flight requests
-finish for up to --shutdown-grace seconds (then aborts them), stops the engine and exits 0.
+finish for up to --shutdown-grace seconds (then ends them: streams get an error event and [DONE],
+others a 503), stops the engine and exits 0. If the engine thread dies, requests in flight get an
+error and the process exits 1 (its supervisor restarts it).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import enum
 import hmac
@@ -56,6 +65,7 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
 
 from runtime.artifact import Artifact, ArtifactError, read_manifest, sha256_file
 from runtime.async_engine import (
@@ -92,7 +102,8 @@ HEALTH_PATH = "/health"
 READY_PATH = "/ready"
 METRICS_PATH = "/metrics"
 MAX_LOGPROBS = 20
-MAX_STOP = 16
+MAX_STOP = 16  # default --max-stop-strings
+MAX_STOP_CHARS = 256  # default --max-stop-chars (each stop string)
 
 
 @dataclass
@@ -115,11 +126,30 @@ class ServerConfig:
     device: str | None = None  # None: the artifact's target device
     cuda_graphs: str | None = None  # auto | padded | off (GPU backends); None: auto
     warmup: bool = True
+    # Slow and hostile clients.
+    header_timeout: float = 10.0  # seconds from connection (or the previous response) to a request's full headers
+    body_timeout: float = 30.0  # seconds from the headers to the end of the body
+    write_timeout: float = 30.0  # seconds one write to the client may block (a client not reading)
+    max_connections: int = 512  # open connections; one more is answered 503 and closed
+    max_requests_per_client: int = 0  # unfinished requests per client address (0: no bound)
+    max_stop_strings: int = MAX_STOP
+    max_stop_chars: int = MAX_STOP_CHARS
+    tokenizer_threads: int = 2  # worker threads that tokenize and render chat templates
+    # Prefix-cache isolation: requests share cached prompt blocks only with the same salt, made of this
+    # header's value (e.g. `Authorization` to salt by API key, or a tenant header set by the gateway)
+    # and the request's `cache_salt` field. None: one shared cache (one trust domain).
+    cache_salt_header: str | None = None
+    cors_origins: tuple[str, ...] = ()  # origins allowed cross-site (CORS); empty: no CORS headers
 
     def validate(self) -> None:
         if self.max_waiting < 1:  # every request waits at least until the engine's next step
             raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")
-        for name in ("request_timeout", "shutdown_grace"):
+        for name in ("max_connections", "max_stop_strings", "max_stop_chars", "tokenizer_threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_requests_per_client < 0:
+            raise ValueError(f"max_requests_per_client must be >= 0, got {self.max_requests_per_client}")
+        for name in ("request_timeout", "shutdown_grace", "header_timeout", "body_timeout", "write_timeout"):
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"{name} must be a positive number of seconds, got {value}")
@@ -139,6 +169,7 @@ class ErrorKind(enum.Enum):
     AUTHENTICATION = "authentication"
     NOT_FOUND = "not_found"
     METHOD_NOT_ALLOWED = "method_not_allowed"
+    UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"
     TIMEOUT = "timeout"
     QUEUE_FULL = "queue_full"
     UNAVAILABLE = "unavailable"
@@ -150,6 +181,7 @@ _ERRORS: dict[ErrorKind, tuple[int, str]] = {
     ErrorKind.AUTHENTICATION: (401, "authentication_error"),
     ErrorKind.NOT_FOUND: (404, "not_found_error"),
     ErrorKind.METHOD_NOT_ALLOWED: (405, "invalid_request_error"),
+    ErrorKind.UNSUPPORTED_MEDIA_TYPE: (415, "invalid_request_error"),
     ErrorKind.TIMEOUT: (408, "timeout_error"),
     ErrorKind.QUEUE_FULL: (429, "rate_limit_error"),
     ErrorKind.UNAVAILABLE: (503, "service_unavailable_error"),
@@ -246,7 +278,7 @@ def _range(lo: int | None, hi: int | None) -> str:
     return f">= {lo}" if lo is not None else f"<= {hi}"
 
 
-def _stop(body: dict[str, Any]) -> list[str]:
+def _stop(body: dict[str, Any], max_count: int = MAX_STOP, max_chars: int = MAX_STOP_CHARS) -> list[str]:
     v = body.get("stop")
     if v is None:
         return []
@@ -254,9 +286,21 @@ def _stop(body: dict[str, Any]) -> list[str]:
         v = [v]
     if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
         raise _invalid("stop must be a string or a list of strings", "stop", "invalid_type")
-    if len(v) > MAX_STOP or any(not s for s in v):
-        raise _invalid(f"stop: at most {MAX_STOP} non-empty strings", "stop")
+    if len(v) > max_count or any(not s for s in v):
+        raise _invalid(f"stop: at most {max_count} non-empty strings", "stop")
+    if any(len(s) > max_chars for s in v):
+        raise _invalid(f"stop: each string at most {max_chars} characters", "stop")
     return list(v)
+
+
+def _text(value: str, param: str) -> str:
+    """`value`, refused (400) when it cannot be UTF-8 (a lone surrogate such as "\\ud800" in the JSON)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise _invalid(f"{param} is not valid Unicode text (a lone surrogate at character {exc.start})",
+                       param) from None
+    return value
 
 
 def _refuse_unsupported(body: dict[str, Any]) -> None:
@@ -304,14 +348,19 @@ class TextCodec:
     """The artifact's tokenizer on the HTTP side (encode, decode, one token's text for logprobs)."""
 
     def __init__(self, folder: Path) -> None:
-        from tokenizers import Tokenizer
+        from runtime.engine import load_tokenizer
 
-        self._tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        self._tok = load_tokenizer(folder)
         self.vocab_size = self._tok.get_vocab_size()
         self._pieces: dict[int, str] = {}
+        # The longest token in characters: a text of more than max_model_len * this many characters
+        # cannot fit the context, so it is refused before it is tokenized.
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        self.max_piece_chars = max(1, max((len(t) for t in vocab), default=1))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+        # encode_batch releases the GIL (encode does not): the event loop runs while a worker tokenizes.
+        return list(self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
@@ -396,8 +445,10 @@ def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
                 if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                     raise _invalid(f"{where}.content: only parts of type 'text' are supported", f"{where}.content")
                 texts.append(part["text"])
-            content = "".join(texts)
-        elif not isinstance(content, str):
+            content = _text("".join(texts), f"{where}.content")
+        elif isinstance(content, str):
+            content = _text(content, f"{where}.content")
+        else:
             raise _invalid(f"{where}.content must be a string or a list of text parts", f"{where}.content",
                            "invalid_type")
         out.append({"role": role, "content": content})
@@ -405,10 +456,110 @@ def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
 
 
 # --------------------------------------------------------------------------------------------
+# Connections: a cap, and a deadline for each request's headers
+# --------------------------------------------------------------------------------------------
+
+_OVER_CAPACITY_BODY = json.dumps({"error": {"message": "too many open connections; retry later",
+                                              "type": "service_unavailable_error", "param": None,
+                                              "code": "too_many_connections"}}).encode()
+_OVER_CAPACITY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+                  b"Connection: close\r\nContent-Length: " + str(len(_OVER_CAPACITY_BODY)).encode() + b"\r\n\r\n"
+                  + _OVER_CAPACITY_BODY)
+
+
+class _Connections:
+    """Counts open connections against the cap and records the ones the server drops."""
+
+    def __init__(self, limit: int, header_timeout: float, metrics: ServingMetrics) -> None:
+        self.limit = limit
+        self.header_timeout = header_timeout
+        self.metrics = metrics
+        self.open = 0
+
+    def enter(self) -> bool:
+        if self.open >= self.limit:
+            self.metrics.drop("too_many_connections")
+            return False
+        self.open += 1
+        self.metrics.set_open_connections(self.open)
+        return True
+
+    def leave(self) -> None:
+        self.open -= 1
+        self.metrics.set_open_connections(self.open)
+
+
+class _GuardedHandler(RequestHandler):
+    """aiohttp's HTTP/1 protocol, plus: a connection over the cap is answered 503 and closed, and a
+    connection whose next request's headers are not complete `header_timeout` seconds after it opened
+    (or after its previous response) is closed (slow-header clients, idle keep-alive connections)."""
+
+    def __init__(self, manager: web.Server, guard: _Connections, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self._guard = guard
+        self._counted = False
+        self._header_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        if not self._guard.enter():
+            assert isinstance(transport, asyncio.Transport)
+            transport.write(_OVER_CAPACITY)
+            self.force_close()  # closes the transport once the answer is flushed
+            return
+        self._counted = True
+        self._arm()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._disarm()
+        if self._counted:
+            self._counted = False
+            self._guard.leave()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._header_timer = self._loop.call_later(self._guard.header_timeout, self._headers_late)
+
+    def _disarm(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _busy(self) -> bool:
+        """A request is being handled or a parsed one is queued (aiohttp's own state)."""
+        return bool(getattr(self, "_request_in_progress", False) or getattr(self, "_messages", None))
+
+    def _headers_late(self) -> None:
+        self._header_timer = None
+        if self._busy() or self.transport is None:
+            return
+        self._guard.metrics.drop("header_timeout")
+        self.force_close()
+        self.transport.abort()
+
+    async def _handle_request(self, request: Any, start_time: Any, request_handler: Any) -> Any:
+        self._disarm()
+        try:
+            return await super()._handle_request(request, start_time, request_handler)
+        finally:
+            if self._counted and not getattr(self, "_messages", None) and self.transport is not None:
+                self._arm()  # the next request's headers get header_timeout from now
+
+
+# --------------------------------------------------------------------------------------------
 # The server
 # --------------------------------------------------------------------------------------------
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class ServerShuttingDown(RuntimeError):
+    """The drain's grace ran out while this request was still running."""
+
+
+class _SlowClient(Exception):
+    """A write to the client blocked longer than write_timeout (the client is not reading)."""
 
 
 class Server:
@@ -425,10 +576,12 @@ class Server:
         self.model_id = config.served_model_name or self.artifact_name
         self.metrics = ServingMetrics(self.artifact_name, self.artifact_version, self.manifest_sha256)
         self.state = "loading"  # loading -> ready -> draining | failed
+        self.exit_code = 0  # what serve() returns: 1 when the engine thread died
         self.engine: AsyncEngine | None = None
         self.codec: TextCodec | None = None
         self.chat: ChatTemplate | None = None
         self.max_model_len = 0
+        self.max_prompt_chars = 0  # longer prompt texts cannot fit the context (refused untokenized)
         self.block_size = 1
         self.num_blocks = 0
         self.created = int(time.time())
@@ -436,18 +589,28 @@ class Server:
         self.app = self._build_app()
         self.runner: web.AppRunner | None = None
         self.bound: tuple[str, int] | None = None
+        self.connections = _Connections(config.max_connections, config.header_timeout, self.metrics)
+        self._listener: asyncio.Server | None = None
+        self._pool = concurrent.futures.ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
     async def start(self) -> tuple[str, int]:
         """Bind the socket (health answers from here on); returns (host, port)."""
         self.runner = web.AppRunner(self.app, handle_signals=False, handler_cancellation=True,
-                                    shutdown_timeout=self.config.shutdown_grace, access_log=None)
+                                    shutdown_timeout=1.0, access_log=None)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, self.config.host, self.config.port, backlog=1024)
-        await site.start()
-        addresses = self.runner.addresses
-        self.bound = tuple(addresses[0][:2]) if addresses else (self.config.host, self.config.port)  # type: ignore[assignment]
+        loop = asyncio.get_running_loop()
+        manager = self.runner.server
+        assert manager is not None
+
+        def protocol() -> _GuardedHandler:
+            return _GuardedHandler(manager, self.connections, loop=loop, access_log=None,
+                                   keepalive_timeout=self.config.header_timeout + 5.0)  # ours fires first
+
+        self._listener = await loop.create_server(protocol, self.config.host, self.config.port, backlog=1024)
+        sockets = self._listener.sockets
+        self.bound = tuple(sockets[0].getsockname()[:2]) if sockets else (self.config.host, self.config.port)  # type: ignore[assignment]
         return self.bound  # type: ignore[return-value]
 
     def _load(self) -> tuple[Any, float]:
@@ -468,9 +631,12 @@ class Server:
         t = time.perf_counter()
         engine, warm = await asyncio.to_thread(self._load)
         self.max_model_len = engine.scheduler_config.max_model_len
+        assert self.codec is not None
+        self.max_prompt_chars = self.max_model_len * self.codec.max_piece_chars
         self.block_size = engine.scheduler_config.block_size
         self.num_blocks = engine.scheduler_config.num_blocks
-        self.engine = AsyncEngine(engine, self.metrics, max_waiting=self.config.max_waiting)
+        self.engine = AsyncEngine(engine, self.metrics, max_waiting=self.config.max_waiting,
+                                  max_per_client=self.config.max_requests_per_client, on_death=self._engine_died)
         self.engine.start(asyncio.get_running_loop())
         if self.state == "loading":
             self.state = "ready"
@@ -479,24 +645,49 @@ class Server:
                 f"context {sc.max_model_len}, {sc.num_blocks} KV blocks of {sc.block_size}, "
                 f"{sc.max_num_seqs} running / {self.config.max_waiting} waiting at most")
 
+    def _engine_died(self, exc: BaseException) -> None:
+        """The engine thread stopped on an error: in-flight requests already got an error; exit non-zero
+        (a supervisor restarts the process) instead of answering 503 forever."""
+        log.error("the engine thread died (%s: %s); the server exits with status 1", type(exc).__name__, exc)
+        self.exit_code = 1
+        self.state = "failed"
+        self.stopped.set()
+
     def begin_drain(self) -> None:
         """Stop admitting; `run_until_stopped` then drains and returns."""
-        if self.state != "draining":
+        if self.state not in ("draining", "failed"):
             log.info("draining: no new requests; in-flight ones get %.0f s", self.config.shutdown_grace)
-        self.state = "draining"
+            self.state = "draining"
         self.stopped.set()
 
     async def shutdown(self) -> None:
+        """Stop listening, let in-flight requests finish within the grace, then end the rest: streams get
+        an error event and [DONE], other requests a 503; close the connections and stop the engine."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + (self.config.shutdown_grace if self.state != "failed" else 0.0)
+        if self._listener is not None:
+            self._listener.close()
+        if self.engine is not None:
+            while self.engine.num_in_flight and loop.time() < end:
+                await asyncio.sleep(0.05)
+            if self.engine.num_in_flight:
+                log.warning("shutdown grace over: ending %d requests still in flight", self.engine.num_in_flight)
+                self.engine.fail_all(ServerShuttingDown("the server is shutting down (the drain's grace is over)"))
+            # their handlers write the error and [DONE]; a client that does not read is cut after 1 s
+            stop = loop.time() + 1.0
+            while self.engine.num_in_flight and loop.time() < stop:
+                await asyncio.sleep(0.02)
         if self.runner is not None:
-            await self.runner.cleanup()  # stop listening, wait for in-flight handlers up to the grace
+            await self.runner.cleanup()  # close idle connections; cancels a handler still there after 1 s
         if self.engine is not None:
             await asyncio.to_thread(self.engine.stop)
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- the app ------------------------------------------------------------------------------
 
     def _build_app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.max_body_bytes,
-                              middlewares=[self._errors_middleware, self._auth_middleware])
+                              middlewares=[self._errors_middleware, self._cors_middleware, self._auth_middleware])
         app.router.add_get(HEALTH_PATH, self.health)
         app.router.add_get(READY_PATH, self.ready)
         app.router.add_get(METRICS_PATH, self.metrics_endpoint)
@@ -504,7 +695,16 @@ class Server:
         app.router.add_get("/v1/models/{model:.+}", self.model)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
+        if self.config.cors_origins:
+            app.router.add_route("OPTIONS", "/v1/{tail:.*}", self.preflight)
         return app
+
+    def _log_refused(self, request: web.Request, err: APIError) -> None:
+        """One line per refused request, no traceback: WARNING for bad input, INFO for capacity (429/503,
+        which come in bursts and are counted in /metrics)."""
+        level = logging.INFO if err.kind in (ErrorKind.QUEUE_FULL, ErrorKind.UNAVAILABLE) else logging.WARNING
+        log.log(level, "%s %s from %s -> %d %s: %s", request.method, request.path, request.remote, err.status,
+                err.code or err.kind.value, err.message)
 
     @web.middleware
     async def _errors_middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -513,7 +713,11 @@ class Server:
         except APIError as err:
             if err.kind not in (ErrorKind.TIMEOUT, ErrorKind.INTERNAL):
                 self.metrics.reject(err.kind.value)
-            return err.response()
+            self._log_refused(request, err)
+            resp = err.response()
+            if err.code == "body_timeout":
+                resp.force_close()
+            return resp
         except web.HTTPException as exc:  # routing: unknown path, wrong method
             if exc.status == 404:
                 err = APIError(ErrorKind.NOT_FOUND, f"no route {request.method} {request.path}", code="not_found")
@@ -525,6 +729,7 @@ class Server:
             else:
                 raise
             self.metrics.reject(err.kind.value)
+            self._log_refused(request, err)
             return err.response()
         except (asyncio.CancelledError, ConnectionResetError):
             raise
@@ -532,10 +737,37 @@ class Server:
             log.exception("error handling %s %s", request.method, request.path)
             return APIError(ErrorKind.INTERNAL, "internal server error", code="internal_error").response()
 
+    def _cors_origin(self, request: web.Request) -> str | None:
+        origin = request.headers.get("Origin")
+        allowed = self.config.cors_origins
+        return origin if origin and ("*" in allowed or origin in allowed) else None
+
+    @web.middleware
+    async def _cors_middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Off unless --cors-origin is set: then allowed origins get Access-Control-Allow-Origin."""
+        if not self.config.cors_origins:
+            return await handler(request)
+        origin = self._cors_origin(request)
+        if origin is not None:
+            request["cors_origin"] = origin
+        resp = await handler(request)
+        if not resp.prepared:
+            _allow_origin(request, resp)
+        return resp
+
+    async def preflight(self, request: web.Request) -> web.Response:
+        origin = self._cors_origin(request)
+        if origin is None:
+            raise APIError(ErrorKind.AUTHENTICATION, "this origin is not allowed (CORS)", code="cors_origin")
+        return web.Response(status=204, headers={
+            "Access-Control-Allow-Origin": origin, "Vary": "Origin", "Access-Control-Max-Age": "600",
+            "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+            "Access-Control-Allow-Headers": "Authorization, Content-Type"})
+
     @web.middleware
     async def _auth_middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         key = self.config.api_key
-        if key and request.path.startswith("/v1/"):
+        if key and request.path.startswith("/v1/") and request.method != "OPTIONS":
             auth = request.headers.get("Authorization", "")
             given = auth[7:] if auth.startswith("Bearer ") else ""
             if not given or not hmac.compare_digest(given.encode(), key.encode()):
@@ -587,16 +819,27 @@ class Server:
         return self.engine, self.codec
 
     async def _body(self, request: web.Request) -> dict[str, Any]:
+        if request.content_type != "application/json":  # a browser cannot send this cross-site unasked
+            raise APIError(ErrorKind.UNSUPPORTED_MEDIA_TYPE,
+                           f"Content-Type must be application/json, got {_show(request.content_type)}",
+                           code="unsupported_media_type")
         limit = self.config.max_body_bytes
         if request.content_length is not None and request.content_length > limit:
             raise _invalid(f"request body of {request.content_length} bytes is over the limit of {limit}",
                            None, "request_too_large")
         try:
-            raw = await request.read()
+            async with asyncio.timeout(self.config.body_timeout):
+                raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise _invalid(f"request body over the limit of {limit} bytes", None, "request_too_large") from None
+        except TimeoutError:
+            self.metrics.drop("body_timeout")
+            raise APIError(ErrorKind.TIMEOUT, f"the request body did not arrive within {self.config.body_timeout:g} s",
+                           code="body_timeout") from None
         try:
             body = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+        except RecursionError:
+            raise _invalid("the body is not valid JSON: nested too deeply", None, "invalid_json") from None
         except (UnicodeDecodeError, ValueError) as exc:
             raise _invalid(f"the body is not valid JSON: {exc}", None, "invalid_json") from None
         if not isinstance(body, dict):
@@ -644,7 +887,7 @@ class Server:
             top_p=_number(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True),
             top_k=0 if top_k == -1 else top_k,
             seed=_int(body, "seed", None, lo=0, hi=2**63 - 1),
-            stop=_stop(body),
+            stop=_stop(body, self.config.max_stop_strings, self.config.max_stop_chars),
             stop_token_ids=list(ids),
             ignore_eos=_bool(body, "ignore_eos", False),
             **extra,
@@ -668,7 +911,16 @@ class Server:
             raise _invalid("stream_options is only allowed with stream=true", "stream_options")
         return stream, _bool(opts, "include_usage", False)
 
-    def _parse_completion(self, body: dict[str, Any], codec: TextCodec) -> _Parsed:
+    def _fits(self, chars: int, param: str) -> None:
+        """Refuse a text that cannot fit the context before tokenizing it (cheap, on the event loop)."""
+        if chars > self.max_prompt_chars:
+            raise _invalid(f"the prompt has {chars} characters; this model's context is {self.max_model_len} tokens "
+                           f"(at most {self.max_prompt_chars} characters)", param, "context_length_exceeded")
+
+    async def _encode(self, codec: TextCodec, text: str, add_special: bool = True) -> list[int]:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, codec.encode, text, add_special)
+
+    async def _parse_completion(self, body: dict[str, Any], codec: TextCodec) -> _Parsed:
         _refuse_unsupported(body)
         prompt = body.get("prompt", _MISSING)
         if prompt is _MISSING or prompt is None:
@@ -676,12 +928,19 @@ class Server:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
             prompt = prompt[0]  # one prompt given as a batch of one
         if isinstance(prompt, str):
-            ids = codec.encode(prompt)
+            _text(prompt, "prompt")
+            self._fits(len(prompt), "prompt")
+            ids = await self._encode(codec, prompt)
         elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
             if not all(0 <= t < codec.vocab_size for t in prompt):
                 raise _invalid(f"prompt token ids must be in [0, {codec.vocab_size})", "prompt")
             ids = list(prompt)
-        elif isinstance(prompt, list) and len(prompt) > 1:
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int | float) and not isinstance(t, bool)
+                                                         for t in prompt):
+            bad = next(i for i, t in enumerate(prompt) if not _is_int(t))
+            raise _invalid(f"prompt token ids must be integers, got {_show(prompt[bad])} at prompt[{bad}]", "prompt",
+                           "invalid_type")
+        elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(t, str | list) for t in prompt):
             raise _invalid("one prompt per request (batches of prompts are not supported)", "prompt",
                            "unsupported_value")
         else:
@@ -699,13 +958,15 @@ class Server:
         echo_text = (prompt if isinstance(prompt, str) else codec.decode(ids)) if echo else None
         return _Parsed(ids, params, stream, include_usage, logprobs, echo_text)
 
-    def _parse_chat(self, body: dict[str, Any], codec: TextCodec) -> _Parsed:
+    async def _parse_chat(self, body: dict[str, Any], codec: TextCodec) -> _Parsed:
         _refuse_unsupported(body)
         messages = _messages(body)
         if self.chat is None:  # set together with the codec at load
             raise APIError(ErrorKind.UNAVAILABLE, "the model is loading", code="not_ready", retry_after=1)
-        text, add_special = self.chat.render(messages)
-        ids = codec.encode(text, add_special_tokens=add_special)
+        self._fits(sum(len(m["content"]) for m in messages), "messages")
+        loop = asyncio.get_running_loop()
+        text, add_special = await loop.run_in_executor(self._pool, self.chat.render, messages)
+        ids = await self._encode(codec, text, add_special)
         if not ids:
             raise _invalid("the rendered chat prompt is empty", "messages")
         stream, include_usage = self._stream_flags(body)
@@ -718,6 +979,19 @@ class Server:
             max_tokens = _int(body, "max_tokens", None, lo=1)
         params = self._sampling(body, len(ids), max_tokens, codec.vocab_size, "messages")
         return _Parsed(ids, params, stream, include_usage, (top or 0) if want else None, None)
+
+    def _cache_salt(self, request: web.Request, body: dict[str, Any]) -> str | None:
+        """The request's prefix-cache salt: the --cache-salt-header value and the body's cache_salt."""
+        salt = body.get("cache_salt")
+        if salt is not None and (not isinstance(salt, str) or not salt or len(salt) > 1024):
+            raise _invalid("cache_salt must be a non-empty string of at most 1024 characters", "cache_salt",
+                           "invalid_type" if not isinstance(salt, str) else "invalid_value")
+        parts = []
+        if self.config.cache_salt_header:
+            parts.append("h:" + request.headers.get(self.config.cache_salt_header, ""))
+        if salt:
+            parts.append("b:" + salt)
+        return "\x00".join(parts) or None
 
     # ---- generation ---------------------------------------------------------------------------
 
@@ -738,9 +1012,11 @@ class Server:
         arrival = time.perf_counter()
         engine, codec = self._admitting()
         body = await self._body(request)
-        parsed = self._parse_chat(body, codec) if chat else self._parse_completion(body, codec)
+        parsed = await (self._parse_chat(body, codec) if chat else self._parse_completion(body, codec))
+        salt = self._cache_salt(request, body)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        req = GenerateRequest(rid, parsed.prompt_ids, parsed.params, parsed.logprobs, arrival)
+        req = GenerateRequest(rid, parsed.prompt_ids, parsed.params, parsed.logprobs, arrival, cache_salt=salt,
+                              client=request.remote or "")
         fmt = _ChatFormat(self, rid, codec) if chat else _CompletionFormat(self, rid, codec, parsed.echo_text)
         deadline = self.config.request_timeout
         try:
@@ -762,51 +1038,91 @@ class Server:
                 if final is None or not final.finished:
                     raise APIError(ErrorKind.INTERNAL, "the engine ended the request without a final output",
                                    code="internal_error")
-                return web.json_response(fmt.response(final, lps if parsed.logprobs is not None else None),
+                resp = web.json_response(fmt.response(final, lps if parsed.logprobs is not None else None),
                                          dumps=_dumps)
         except QueueFull as exc:
             raise self._queue_full(engine, exc) from None
         except EngineDeadError as exc:
             raise APIError(ErrorKind.UNAVAILABLE, str(exc), code="engine_dead") from None
+        except ServerShuttingDown as exc:
+            raise APIError(ErrorKind.UNAVAILABLE, str(exc), code="shutting_down") from None
         except ValueError as exc:  # refused by the engine itself
             raise _invalid(str(exc)) from None
+        # Written here, under the write timeout, rather than by aiohttp after the handler returns.
+        _allow_origin(request, resp)
+        try:
+            async with asyncio.timeout(self.config.write_timeout):
+                await resp.prepare(request)
+                await resp.write_eof()
+        except TimeoutError:
+            self._cut(request, rid)
+        return resp
+
+    def _cut(self, request: web.Request, rid: str) -> None:
+        """Drop the connection of a client that stopped reading (write_timeout): its request is aborted."""
+        log.warning("%s: the client has not read for %g s; closing its connection", rid, self.config.write_timeout)
+        self.metrics.drop("write_timeout")
+        if request.transport is not None:
+            request.transport.abort()  # aiohttp then sees a closed connection, not an error
+
+    async def _send(self, resp: web.StreamResponse, data: bytes) -> None:
+        try:
+            async with asyncio.timeout(self.config.write_timeout):
+                await resp.write(data)
+        except TimeoutError:
+            raise _SlowClient from None
 
     async def _stream(self, request: web.Request, stream: RequestStream, fmt: _Format, parsed: _Parsed,
                       deadline: float) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Accel-Buffering": "no"})
-        await resp.prepare(request)
+        _allow_origin(request, resp)
         try:
+            async with asyncio.timeout(self.config.write_timeout):
+                await resp.prepare(request)
             for chunk in fmt.start():
-                await _send(resp, chunk)
+                await self._send(resp, _event(chunk))
             try:
                 async with asyncio.timeout(deadline):
                     async for out in stream:
                         chunk = fmt.chunk(out, parsed.logprobs is not None)
                         if chunk is not None:
-                            await _send(resp, chunk)
+                            await self._send(resp, _event(chunk))
                         if out.finished and parsed.include_usage:
-                            await _send(resp, fmt.usage_chunk(out))
+                            await self._send(resp, _event(fmt.usage_chunk(out)))
             except TimeoutError:
                 stream.abort_reason = "timeout"
-                await _send(resp, APIError(ErrorKind.TIMEOUT, f"the request took longer than {deadline:g} s",
-                                           code="request_timeout").error_body())
-            except (EngineDeadError, ValueError) as exc:
-                kind = ErrorKind.UNAVAILABLE if isinstance(exc, EngineDeadError) else ErrorKind.INVALID_REQUEST
-                await _send(resp, APIError(kind, str(exc)).error_body())
-            await resp.write(b"data: [DONE]\n\n")
-            await resp.write_eof()
+                await self._send(resp, _event(APIError(ErrorKind.TIMEOUT, f"the request took longer than {deadline:g} s",
+                                                       code="request_timeout").error_body()))
+            except (EngineDeadError, ServerShuttingDown, ValueError) as exc:
+                kind, code = ((ErrorKind.INVALID_REQUEST, "invalid_value") if isinstance(exc, ValueError) else
+                              (ErrorKind.UNAVAILABLE, "shutting_down" if isinstance(exc, ServerShuttingDown)
+                               else "engine_dead"))
+                await self._send(resp, _event(APIError(kind, str(exc), code=code).error_body()))
+            await self._send(resp, b"data: [DONE]\n\n")
+            async with asyncio.timeout(self.config.write_timeout):
+                await resp.write_eof()
+        except (_SlowClient, TimeoutError):
+            self._cut(request, stream.request_id)
         except ConnectionResetError:
             log.debug("client of %s went away", stream.request_id)  # the context manager aborts it
         return resp
+
+
+def _allow_origin(request: web.Request, resp: web.StreamResponse) -> None:
+    """CORS: the allowed origin the middleware found for this request, if any (--cors-origin)."""
+    origin = request.get("cors_origin")
+    if origin:
+        resp.headers["Access-Control-Allow-Origin"] = origin
+        resp.headers["Vary"] = "Origin"
 
 
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
-async def _send(resp: web.StreamResponse, obj: dict[str, Any]) -> None:
-    await resp.write(b"data: " + _dumps(obj).encode("utf-8") + b"\n\n")
+def _event(obj: dict[str, Any]) -> bytes:
+    return b"data: " + _dumps(obj).encode("utf-8") + b"\n\n"
 
 
 # --------------------------------------------------------------------------------------------
@@ -921,11 +1237,14 @@ class _ChatFormat(_Format):
 # --------------------------------------------------------------------------------------------
 
 
-async def _main(config: ServerConfig, announce: Callable[[str], None]) -> int:
-    server = Server(config)
+async def _main(config: ServerConfig, announce: Callable[[str], None], server: Server | None = None) -> int:
+    server = server or Server(config)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, server.begin_drain)
+        try:
+            loop.add_signal_handler(sig, server.begin_drain)
+        except (RuntimeError, ValueError):  # not the main thread (an embedded server): no signals
+            log.debug("no handler for %s outside the main thread", sig.name)
     host, port = await server.start()
     announce(f"serving {server.model_id} ({server.artifact_name} {server.artifact_version}) on "
              f"http://{host}:{port}  (ready after verify + load + warm-up: GET {READY_PATH})")
@@ -943,16 +1262,21 @@ async def _main(config: ServerConfig, announce: Callable[[str], None]) -> int:
         await server.shutdown()
         return 1
     await stop
-    announce("SIGTERM: draining in-flight requests, then exiting")
+    if server.exit_code:
+        announce(f"error: the engine stopped ({server.engine.error if server.engine else 'unknown'}); exiting "
+                 f"with status {server.exit_code} so that the supervisor restarts the server")
+    else:
+        announce("SIGTERM: draining in-flight requests, then exiting")
     if not load.done():
         load.cancel()
     await server.shutdown()
     announce("stopped")
-    return 0
+    return server.exit_code
 
 
 def serve(config: ServerConfig, announce: Callable[[str], None] = print) -> int:
-    """Run the server until SIGTERM/SIGINT; the process exit code (0 after a drain, 1 if loading failed)."""
+    """Run the server until SIGTERM/SIGINT; the process exit code (0 after a drain, 1 if loading failed or
+    the engine thread died)."""
     try:
         return asyncio.run(_main(config, announce))
     except ArtifactError as exc:

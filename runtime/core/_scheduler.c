@@ -83,6 +83,7 @@ typedef struct seq_s {
     uint64_t *hashes; /* chained hashes of its first full blocks (memo) */
     int64_t nhash, caphash;
     int64_t nregistered; /* leading table blocks already offered to the cache */
+    uint64_t root;       /* parent hash of its first block: 0, or its cache salt (prefix-cache isolation) */
     int64_t ncached;     /* prompt tokens served by the cache at the first admission; -1 before */
     int decoding;
     int running;
@@ -498,7 +499,7 @@ static int seq_hash(Sched *s, seq_t *q, int64_t j, uint64_t *out) {
         }
         while (q->nhash <= j) {
             int64_t k = q->nhash;
-            q->hashes[k] = block_hash(k ? q->hashes[k - 1] : 0, q->tokens + k * s->bs, s->bs, s->key) & s->hash_mask;
+            q->hashes[k] = block_hash(k ? q->hashes[k - 1] : q->root, q->tokens + k * s->bs, s->bs, s->key) & s->hash_mask;
             q->nhash++;
         }
     }
@@ -516,7 +517,7 @@ static int64_t cache_lookup(Sched *s, seq_t *q, int32_t *cow, int64_t *cached) {
         return 0;
     }
     int64_t nfull = q->ntok / s->bs, nh = 0;
-    uint64_t parent = 0;
+    uint64_t parent = q->root;
     for (int64_t j = 0; j < nfull; j++) {
         uint64_t h;
         if (seq_hash(s, q, j, &h) < 0) {
@@ -563,7 +564,7 @@ static int register_full_blocks(Sched *s, seq_t *q) {
         cmap_put(s, h, b);
         s->bcached[b] = 1;
         s->bhash[b] = h;
-        s->bparent[b] = j ? q->hashes[j - 1] : 0;
+        s->bparent[b] = j ? q->hashes[j - 1] : q->root;
         memcpy(s->btok + (int64_t)b * s->bs, q->tokens + j * s->bs, (size_t)s->bs * sizeof(int64_t));
     }
     if (full > q->nregistered) {
@@ -860,13 +861,22 @@ static int S_init(Sched *s, PyObject *args, PyObject *kwds) {
 /* ---- lifecycle -------------------------------------------------------------------------- */
 
 static PyObject *S_add(Sched *s, PyObject *args) {
-    PyObject *sid_obj, *prompt;
-    if (check_ready(s) < 0 || !PyArg_ParseTuple(args, "OO:add", &sid_obj, &prompt)) {
+    PyObject *sid_obj, *prompt, *root_obj = NULL;
+    unsigned long long root = 0;
+    if (check_ready(s) < 0 || !PyArg_ParseTuple(args, "OO|O:add", &sid_obj, &prompt, &root_obj)) {
         return NULL;
     }
     int64_t id;
     if (parse_seq_id(sid_obj, &id) < 0) {
         return NULL;
+    }
+    if (root_obj != NULL) {
+        root = PyLong_Check(root_obj) && !PyBool_Check(root_obj) ? PyLong_AsUnsignedLongLong(root_obj) : (unsigned long long)-1;
+        if ((root == (unsigned long long)-1 && PyErr_Occurred()) || !PyLong_Check(root_obj) || PyBool_Check(root_obj)) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_ValueError, "sequence %lld: root must be an integer in [0, 2**64)", (long long)id);
+            return NULL;
+        }
     }
     if (smap_get(s, id) != NULL) {
         PyErr_Format(PyExc_ValueError, "sequence id %lld is already in the scheduler", (long long)id);
@@ -921,6 +931,7 @@ static PyObject *S_add(Sched *s, PyObject *args) {
         return NULL;
     }
     q->id = id;
+    q->root = (uint64_t)root;
     q->arrival = s->arrivals++;
     q->ncached = -1;
     smap_insert_raw(s->sk, s->sv, s->smask, q);
@@ -1667,7 +1678,8 @@ static PyObject *S_get_num_preemptions(Sched *s, void *c) {
 }
 
 static PyMethodDef S_methods[] = {
-    {"add", (PyCFunction)S_add, METH_VARARGS, "add(seq_id, prompt_ids): queue a request (FCFS)."},
+    {"add", (PyCFunction)S_add, METH_VARARGS, "add(seq_id, prompt_ids, root=0): queue a request (FCFS); root: its first block's parent hash "
+     "(a cache salt: only sequences with the same root share prefix-cache blocks)."},
     {"abort", (PyCFunction)S_abort, METH_O, "abort(seq_id): drop a request, free its blocks; unknown ids ignored."},
     {"finish", (PyCFunction)S_finish, METH_O, "finish(seq_id): the engine is done with a sequence."},
     {"schedule", (PyCFunction)S_schedule, METH_NOARGS, "schedule() -> ScheduledBatch | None: one step."},

@@ -341,6 +341,7 @@ class _Sequence:
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of its first full blocks
     num_registered: int = 0  # leading blocks of block_table already offered to the prefix cache
     num_cached: int | None = None  # prompt tokens served by the prefix cache at its first admission
+    root: int = 0  # parent hash of its first block: 0, or its cache salt (prefix-cache isolation)
 
     @property
     def num_to_compute(self) -> int:
@@ -465,8 +466,9 @@ class Scheduler:
 
     # ---- lifecycle ----------------------------------------------------------------------
 
-    def add(self, seq_id: int, prompt_ids: Sequence[int]) -> None:
-        """Queue a request (FCFS)."""
+    def add(self, seq_id: int, prompt_ids: Sequence[int], root: int = 0) -> None:
+        """Queue a request (FCFS). `root` (in [0, 2**64)): its first block's parent hash, a cache salt;
+        only sequences with the same root share prefix-cache blocks."""
         cfg = self.config
         seq_id = _seq_id(seq_id)
         if seq_id in self._seqs:
@@ -481,7 +483,9 @@ class Scheduler:
         if need > cfg.num_blocks:
             raise ValueError(f"sequence {seq_id}: prompt of {len(tokens)} tokens needs {need} KV blocks "
                              f"of {cfg.block_size} tokens; the pool has only {cfg.num_blocks}")
-        seq = _Sequence(seq_id, self._arrivals, tokens, len(tokens))
+        if not _is_int(root) or not 0 <= root < 2**64:
+            raise ValueError(f"sequence {seq_id}: root must be an integer in [0, 2**64), got {root!r}")
+        seq = _Sequence(seq_id, self._arrivals, tokens, len(tokens), root=root)
         self._arrivals += 1
         self._seqs[seq_id] = seq
         self._waiting.append(seq)
@@ -613,7 +617,7 @@ class Scheduler:
         bs = self.config.block_size
         tokens = seq.token_ids
         hits: list[int] = []
-        parent = 0
+        parent = seq.root
         for j in range(len(tokens) // bs):
             h = self._block_hash(seq, j)
             b = self.block_manager.lookup(h, parent, tokens[j * bs: (j + 1) * bs])
@@ -634,7 +638,7 @@ class Scheduler:
         hashes = seq.block_hashes
         while len(hashes) <= j:
             k = len(hashes)
-            hashes.append(block_hash(hashes[k - 1] if k else 0, seq.token_ids[k * bs: (k + 1) * bs],
+            hashes.append(block_hash(hashes[k - 1] if k else seq.root, seq.token_ids[k * bs: (k + 1) * bs],
                                      self._hash_key) & self._hash_mask)
         return hashes[j]
 
@@ -644,7 +648,7 @@ class Scheduler:
         full = seq.num_computed // bs
         for j in range(seq.num_registered, full):
             h = self._block_hash(seq, j)
-            parent = seq.block_hashes[j - 1] if j else 0
+            parent = seq.block_hashes[j - 1] if j else seq.root
             self.block_manager.cache(seq.block_table[j], h, parent, seq.token_ids[j * bs: (j + 1) * bs])
         seq.num_registered = max(seq.num_registered, full)
 
