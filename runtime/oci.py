@@ -39,6 +39,7 @@ import re
 import shutil
 import ssl
 import tempfile
+import time
 import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -582,11 +583,12 @@ def open_store(ref: Reference, insecure: bool = False) -> Store:
 # --------------------------------------------------------------------------- the OCI layout of an artifact
 
 
-def artifact_manifest(root: Path) -> tuple[bytes, dict[str, Any], bytes]:
+def artifact_manifest(root: Path, created: str | None = None) -> tuple[bytes, dict[str, Any], bytes]:
     """(manifest.json bytes, the parsed artifact manifest, the OCI manifest bytes) for an artifact folder.
 
-    The OCI manifest is canonical JSON (sorted keys, no spaces) and depends only on manifest.json, so the
-    same artifact always has the same OCI digest.
+    The OCI manifest is canonical JSON (sorted keys, no spaces); it depends on manifest.json and
+    `created` (the publish time, an annotation) only. What a tag holds is identified by the config
+    digest, the sha256 of manifest.json, which covers every payload file.
     """
     manifest = read_manifest(root)
     config = (Path(root) / MANIFEST).read_bytes()
@@ -598,8 +600,8 @@ def artifact_manifest(root: Path) -> tuple[bytes, dict[str, Any], bytes]:
         "org.opencontainers.image.version": str(manifest["version"]),
         ANNOTATION_PREFIX + "schema-version": str(manifest.get("schema_version", "")),
     }
-    if isinstance(manifest.get("created"), str):
-        annotations["org.opencontainers.image.created"] = manifest["created"]
+    if created:
+        annotations["org.opencontainers.image.created"] = created
     source = manifest.get("source") or {}
     if isinstance(source, dict) and isinstance(source.get("sha256"), str):
         annotations[ANNOTATION_PREFIX + "source.sha256"] = source["sha256"]
@@ -636,7 +638,8 @@ def publish(artifact: Path, ref: str | Reference, *, insecure: bool = False,
     if problems:
         raise ArtifactError(f"{root}: refusing to publish an artifact that fails verification:\n  "
                             + "\n  ".join(problems))
-    config, manifest, oci = artifact_manifest(root)
+    created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    config, manifest, oci = artifact_manifest(root, created)
     reference = ref if isinstance(ref, Reference) else parse_reference(ref)
     if reference.digest:
         raise OCIError(f"{reference}: publish to a tag, not a digest")
@@ -651,12 +654,17 @@ def publish(artifact: Path, ref: str | Reference, *, insecure: bool = False,
     existing = store.get_manifest(reference.reference)
     if existing is not None:
         have = _sha(existing[0])
-        if have != digest:
-            raise OCIError(f"{reference} already exists with digest {have}; this artifact is {digest}. "
-                           "Versions are immutable: publish under a new version or tag")
-        log.info("%s already holds %s", reference, digest)
-        signed = bool(key) and _attach_signature(store, oci, key)
-        return PublishResult(reference, digest, 0, True, signed)
+        try:
+            their = json.loads(existing[0])["config"]["digest"]
+        except (ValueError, KeyError, TypeError):
+            their = "?"
+        if their != _sha(config):
+            raise OCIError(f"{reference} already exists with digest {have} (manifest.json {their}); this "
+                           f"artifact's manifest.json is {_sha(config)}. Versions are immutable: publish "
+                           "under a new version or tag")
+        log.info("%s already holds %s", reference, have)
+        signed = bool(key) and _attach_signature(store, existing[0], key)
+        return PublishResult(reference, have, 0, True, signed)
     uploaded = 0
     for entry in manifest["files"]:
         blob = f"sha256:{entry['sha256']}"

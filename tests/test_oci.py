@@ -8,6 +8,7 @@ Every test gets an empty blob cache ($XDG_CACHE_HOME).
 from __future__ import annotations
 
 import filecmp
+import hashlib
 import http.client
 import http.server
 import json
@@ -29,7 +30,7 @@ from click.testing import CliRunner
 
 from compiler.cli import main
 from runtime.artifact import MANIFEST, read_manifest, verify_artifact, write_manifest
-from runtime.oci import ARTIFACT_TYPE, SignatureError, artifact_manifest
+from runtime.oci import ARTIFACT_TYPE, SignatureError
 
 REGISTRY_BIN = shutil.which("docker-registry") or "/usr/bin/docker-registry"
 PROMPT = "def fibonacci(n):\n    if"
@@ -177,6 +178,7 @@ def test_publish_pull_round_trip(registry: Registry, demo_artifact: Path, tmp_pa
     assert ann["org.opencontainers.image.version"] == "1.0.0"
     assert ann["dev.optimize.target"] == "onnxruntime/cpu/float32"
     assert json.loads(ann["dev.optimize.quality"]) == manifest["quality"]
+    assert re.match(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ$", ann["org.opencontainers.image.created"])
     for layer in oci["layers"]:  # the registry's own blobs are the files' bytes
         assert registry.blob_data(layer["digest"]).stat().st_size == layer["size"]
 
@@ -202,7 +204,6 @@ def test_republish_same_is_noop_other_content_refused(registry: Registry, demo_a
                                                       tmp_path: Path) -> None:
     ref = f"oci://{registry.host}/demo/immutable:1.0.0"
     assert cli("publish", str(demo_artifact), ref, "--insecure")[0] == 0
-    _, _, oci = artifact_manifest(demo_artifact)
     first = _registry_manifest(registry.host, "demo/immutable", "1.0.0")[1]
 
     code, out, err = cli("publish", str(demo_artifact), ref, "--insecure")
@@ -212,9 +213,22 @@ def test_republish_same_is_noop_other_content_refused(registry: Registry, demo_a
     other = _variant(demo_artifact, tmp_path / "other", "different bytes")
     code, out, err = cli("publish", str(other), ref, "--insecure")
     assert code == 1
-    other_digest = "sha256:" + __import__("hashlib").sha256(artifact_manifest(other)[2]).hexdigest()
-    assert first in err and other_digest in err and "immutable" in err
+    ours = "sha256:" + hashlib.sha256((demo_artifact / MANIFEST).read_bytes()).hexdigest()
+    theirs = "sha256:" + hashlib.sha256((other / MANIFEST).read_bytes()).hexdigest()
+    assert first in err and ours in err and theirs in err and "immutable" in err
     assert _registry_manifest(registry.host, "demo/immutable", "1.0.0")[1] == first  # untouched
+
+    code, out, err = cli("list", f"oci://{registry.host}/demo/immutable", "--json", "--insecure")
+    assert code == 0, err
+    (row,) = json.loads(out)
+    quality = read_manifest(demo_artifact)["quality"]
+    assert (row["tag"], row["digest"], row["name"], row["version"], row["target"]) == \
+        ("1.0.0", first, "pycode-llama-6m", "1.0.0", "onnxruntime/cpu/float32")
+    assert row["perplexity"] == quality["metrics"]["perplexity"] and row["quality_passed"] is True
+    assert row["manifest_sha256"] == ours.removeprefix("sha256:")
+    assert row["created"] and row["bytes"] == sum(e["bytes"] for e in read_manifest(demo_artifact)["files"])
+    code, out, _ = cli("list", f"oci://{registry.host}/demo/immutable", "--insecure")
+    assert code == 0 and "1.0.0" in out and "onnxruntime/cpu/float32" in out and "sha256-" not in out
 
 
 # --------------------------------------------------------------------------- damaged storage, killed registry
@@ -331,6 +345,9 @@ def test_directory_store(demo_artifact: Path, tmp_path: Path, empty_cache: Path)
     code, _, err = cli("publish", str(_variant(demo_artifact, tmp_path / "v", "x")), f"{ref}:1.0.0")
     assert code == 1 and "already exists with digest" in err
 
+    code, out, _ = cli("list", ref, "--json")
+    assert code == 0 and [r["tag"] for r in json.loads(out)] == ["1.0.0"]
+
     target = tmp_path / "pulled"
     code, out, err = cli("pull", f"{ref}:1.0.0", "-o", str(target))
     assert code == 0, err
@@ -416,5 +433,9 @@ def test_signed_publish_and_require_signature(registry: Registry, demo_artifact:
     assert not (empty_cache / "artifacts").exists()
     code, out = _serve(signed, "--insecure", "--require-signature", str(keys / "release.pub"))
     assert code is None, out
-    assert json.loads(out)["data"][0]["id"] == "pycode-llama-6m"
+    card = json.loads(out)["data"][0]
+    assert card["id"] == "pycode-llama-6m"
+    # the served content digest is the OCI config digest: what a canary's /v1/models and /metrics name
+    assert "sha256:" + card["artifact"]["manifest_sha256"] == \
+        "sha256:" + hashlib.sha256((demo_artifact / MANIFEST).read_bytes()).hexdigest()
     assert len(list((empty_cache / "artifacts").iterdir())) == 1
