@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
-from runtime.artifact import MANIFEST, ArtifactError, read_manifest, verify_artifact
+from runtime.artifact import MANIFEST, ArtifactError, read_manifest, sha256_file, verify_artifact
 
 __all__ = [
     "ARTIFACT_TYPE",
@@ -833,8 +833,11 @@ def _fetch_manifest(store: Store, reference: Reference) -> tuple[bytes, dict[str
 def _download(store: Store, digest: str, size: int, name: str, cache: Path) -> Path:
     """The cached blob for digest, fetched (hashed while streaming) when absent."""
     target = cache / "blobs" / "sha256" / digest.split(":", 1)[1]
-    if target.is_file() and target.stat().st_size == size:
-        return target
+    if target.is_file():  # re-hashed: a pulled folder's files are hard links to these, and may be edited
+        if target.stat().st_size == size and "sha256:" + sha256_file(target) == digest:
+            return target
+        log.warning("%s: cached blob does not match its digest; fetching it again", target)
+        target.unlink()
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".part-")
     h = hashlib.sha256()
@@ -906,11 +909,15 @@ def pull(ref: str | Reference, output: Path | None = None, *, insecure: bool = F
             return PullResult(dest, digest, reference, True)
         log.warning("%s: cached artifact fails verification; fetching it again", dest)
         shutil.rmtree(dest)
-    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
-        raise OCIError(f"{dest} already exists and is not empty; pull into a new folder")
     config_desc = oci.get("config") or {}
     if config_desc.get("mediaType") != CONFIG_MEDIA_TYPE:
         raise OCIError(f"{reference}: config media type {config_desc.get('mediaType')!r}, expected {CONFIG_MEDIA_TYPE}")
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        # the same content already there (a restarted init container): verified and kept; else refused
+        same = (dest / MANIFEST).is_file() and _sha((dest / MANIFEST).read_bytes()) == config_desc.get("digest")
+        if same and not verify_artifact(dest):
+            return PullResult(dest, digest, reference, True)
+        raise OCIError(f"{dest} already exists and holds something else; pull into a new folder")
     layers = oci.get("layers") or []
     for layer in [config_desc, *layers]:
         if not isinstance(layer.get("digest"), str) or not _DIGEST.match(layer["digest"]) or \

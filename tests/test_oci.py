@@ -194,7 +194,12 @@ def test_publish_pull_round_trip(registry: Registry, demo_artifact: Path, tmp_pa
     code, out, err = cli("verify", str(out_dir))
     assert code == 0 and out.startswith("ok:"), err
     code, out, err = cli("pull", f"{ref}:1.0.0", "-o", str(out_dir), "--insecure")
-    assert code == 1 and "not empty" in err  # a folder is never overwritten
+    assert code == 0 and out.startswith("reused"), err  # the same content, verified: kept as it is
+    (out_dir / "runtime.json").chmod(0o644)
+    (out_dir / "runtime.json").write_text("{}")
+    code, out, err = cli("pull", f"{ref}:1.0.0", "-o", str(out_dir), "--insecure")
+    assert code == 1 and "holds something else" in err  # a folder is never overwritten
+    assert (out_dir / "runtime.json").read_text() == "{}"
 
     # deploy by reference: LLM("oci://...") greedy output identical to the local artifact
     assert _greedy(f"{ref}:1.0.0", insecure=True) == _greedy(demo_artifact)
