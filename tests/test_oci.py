@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -45,13 +46,14 @@ def _free_port() -> int:
 class Registry:
     """`docker-registry serve config.yml` on 127.0.0.1:<free port>, storage in a temporary folder."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, htpasswd: Path | None = None) -> None:
         if not os.path.exists(REGISTRY_BIN):
             raise RuntimeError(f"{REGISTRY_BIN} is missing: run `bash scripts/system-deps.sh` (the README's "
                                "test command does)")
         self.folder = folder
         folder.mkdir(parents=True, exist_ok=True)
         self.storage = folder / "storage"
+        self.htpasswd = htpasswd
         self.port = _free_port()
         self.proc: subprocess.Popen[bytes] | None = None
         self.start()
@@ -61,7 +63,8 @@ class Registry:
         config.write_text(
             "version: 0.1\nlog:\n  level: error\n  accesslog:\n    disabled: true\n"
             f"storage:\n  filesystem:\n    rootdirectory: {self.storage}\n"
-            f"http:\n  addr: 127.0.0.1:{self.port}\n", encoding="utf-8")
+            + (f"auth:\n  htpasswd:\n    realm: optimize-test\n    path: {self.htpasswd}\n" if self.htpasswd else "")
+            + f"http:\n  addr: 127.0.0.1:{self.port}\n", encoding="utf-8")
         self.proc = subprocess.Popen([REGISTRY_BIN, "serve", str(config)], stdout=subprocess.DEVNULL,
                                      stderr=open(self.folder / "registry.log", "ab"))  # noqa: SIM115
         end = time.monotonic() + 20
@@ -70,6 +73,9 @@ class Registry:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/v2/", timeout=1) as r:
                     if r.status == 200:
                         return
+            except urllib.error.HTTPError as exc:
+                if exc.code == 401 and self.htpasswd:
+                    return
             except OSError:
                 if self.proc.poll() is not None:
                     break
@@ -444,3 +450,33 @@ def test_signed_publish_and_require_signature(registry: Registry, demo_artifact:
     assert "sha256:" + card["artifact"]["manifest_sha256"] == \
         "sha256:" + hashlib.sha256((demo_artifact / MANIFEST).read_bytes()).hexdigest()
     assert len(list((empty_cache / "artifacts").iterdir())) == 1
+
+
+def test_credentials_from_the_docker_config(demo_artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import base64
+
+    import bcrypt
+
+    htpasswd = tmp_path / "htpasswd"
+    htpasswd.write_text("alice:" + bcrypt.hashpw(b"s3cret", bcrypt.gensalt(rounds=4)).decode() + "\n")
+    reg = Registry(tmp_path / "auth-registry", htpasswd=htpasswd)
+    try:
+        ref = f"oci://{reg.host}/demo/private"
+        monkeypatch.setenv("DOCKER_CONFIG", str(tmp_path / "no-docker-config"))
+        code, _, err = cli("publish", str(demo_artifact), ref, "--insecure")
+        assert code == 1 and "asks for credentials and none are configured" in err
+        docker = tmp_path / "docker"
+        docker.mkdir()
+        (docker / "config.json").write_text(json.dumps(
+            {"auths": {reg.host: {"auth": base64.b64encode(b"alice:s3cret").decode()}}}))
+        monkeypatch.setenv("DOCKER_CONFIG", str(docker))
+        code, out, err = cli("publish", str(demo_artifact), ref, "--insecure")
+        assert code == 0 and "published" in out, err
+        assert cli("pull", f"{ref}:1.0.0", "-o", str(tmp_path / "pulled"), "--insecure")[0] == 0
+        assert verify_artifact(tmp_path / "pulled") == []
+        monkeypatch.setenv("OPTIMIZE_REGISTRY_USERNAME", "alice")
+        monkeypatch.setenv("OPTIMIZE_REGISTRY_PASSWORD", "wrong")
+        code, _, err = cli("list", ref, "--insecure")
+        assert code == 1 and "credentials refused" in err
+    finally:
+        reg.kill()
