@@ -365,6 +365,12 @@ def test_directory_store(demo_artifact: Path, tmp_path: Path, empty_cache: Path)
     for entry in read_manifest(demo_artifact)["files"]:
         assert filecmp.cmp(demo_artifact / entry["path"], target / entry["path"], shallow=False)
 
+    # generate by reference: the same greedy tokens as the local folder
+    code, out, err = cli("generate", f"{ref}:1.0.0", PROMPT, "--max-tokens", "6", "--no-escapes")
+    code_local, out_local, _ = cli("generate", str(demo_artifact), PROMPT, "--max-tokens", "6", "--no-escapes")
+    assert code == 0 and code_local == 0, err
+    assert out == out_local and out.startswith(PROMPT) and len(out) > len(PROMPT)
+
     big = max(read_manifest(demo_artifact)["files"], key=lambda e: e["bytes"])
     blob = store / "pycode" / "blobs" / "sha256" / big["sha256"]
     os.chmod(blob, 0o644)
