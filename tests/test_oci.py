@@ -238,6 +238,8 @@ def test_republish_same_is_noop_other_content_refused(registry: Registry, demo_a
     assert row["perplexity"] == quality["metrics"]["perplexity"] and row["quality_passed"] is True
     assert row["manifest_sha256"] == ours.removeprefix("sha256:")
     assert row["created"] and row["bytes"] == sum(e["bytes"] for e in read_manifest(demo_artifact)["files"])
+    code, _, err = cli("list", f"oci://{registry.host}/demo/immutable")  # TLS unless --insecure
+    assert code == 1 and "TLS failed" in err and "--insecure" in err
     code, out, _ = cli("list", f"oci://{registry.host}/demo/immutable", "--insecure")
     assert code == 0 and "1.0.0" in out and "onnxruntime/cpu/float32" in out and "sha256-" not in out
 
