@@ -343,6 +343,17 @@ def test_registry_killed_mid_pull(own_registry: Registry, demo_artifact: Path, t
     assert code == 0, err
     assert verify_artifact(target) == []
 
+    # pinned by digest and in the cache: a restart needs no registry
+    digest = re.search(r"\((sha256:[0-9a-f]{64})\)", out).group(1)  # type: ignore[union-attr]
+    pinned = f"oci://{own_registry.host}/demo/kill:1.0.0@{digest}"
+    code, out, err = cli("pull", pinned, "--insecure")
+    assert code == 0 and out.startswith("pulled"), err
+    own_registry.kill()
+    code, out, err = cli("pull", pinned, "--insecure")
+    assert code == 0 and out.startswith("reused"), err
+    code, _, err = cli("pull", f"oci://{own_registry.host}/demo/kill:1.0.0", "--insecure")
+    assert code == 1 and "cannot reach the registry" in err  # a tag must be resolved by the registry
+
 
 # --------------------------------------------------------------------------- a plain directory
 
