@@ -11,7 +11,7 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -33,6 +33,32 @@ def _fmt_bytes(n: int) -> str:
 def _fail(message: str, code: int = 1) -> None:
     click.echo(f"error: {message}", err=True)
     sys.exit(code)
+
+
+def _is_reference(text: str) -> bool:
+    return text.startswith("oci://") or text.startswith("file://")
+
+
+def _reference_options(f: Any) -> Any:
+    """--require-signature and --insecure, for commands that take a folder or a reference."""
+    f = click.option("--insecure", is_flag=True, help="Plain HTTP to the registry of a reference (a local one).")(f)
+    return click.option("--require-signature", type=click.Path(dir_okay=False, exists=True, path_type=Path),
+                        default=None, metavar="PUB",
+                        help="Refuse a reference unless signed by this Ed25519 public key (before loading).")(f)
+
+
+def _resolve(artifact: str, require_signature: Path | None, insecure: bool) -> Path:
+    """A local folder for ARTIFACT: a reference is pulled (or reused from the cache) and verified."""
+    if not _is_reference(artifact) and require_signature is None:
+        return Path(artifact)
+    from runtime.artifact import ArtifactError
+    from runtime.oci import resolve_artifact
+
+    try:
+        return resolve_artifact(artifact, insecure=insecure, require_signature=require_signature)
+    except ArtifactError as e:
+        _fail(str(e))
+        raise  # unreachable: _fail exits
 
 
 @click.group()
@@ -141,14 +167,25 @@ def inspect(artifact: Path, as_json: bool) -> None:
 
 
 @main.command()
-@click.argument("artifact", type=click.Path(file_okay=False, path_type=Path))
-def verify(artifact: Path) -> None:
-    """Check every file of ARTIFACT against its manifest (size and sha256); exit 1 on any difference."""
+@click.argument("artifact")
+@click.option("--key", "public_key", type=click.Path(dir_okay=False, exists=True, path_type=Path), default=None,
+              help="For a reference: require a signature by this Ed25519 public key (optimize keygen).")
+@click.option("--insecure", is_flag=True, help="Plain HTTP to the registry (a local one), not TLS.")
+def verify(artifact: str, public_key: Path | None, insecure: bool) -> None:
+    """Check every file of ARTIFACT against its manifest (size and sha256); exit 1 on any difference.
+
+    ARTIFACT may be a reference (oci://HOST/REPO:TAG, file:///DIR/REPO:TAG): with --key its signature is
+    checked, and its files are pulled into the cache and verified."""
     from runtime.artifact import ArtifactError, read_manifest, verify_artifact
 
+    if _is_reference(artifact):
+        _verify_reference(artifact, public_key, insecure)
+        return
+    if public_key is not None:
+        _fail("--key checks the signature of a reference (oci://... or file://...), not of a folder")
     try:
-        manifest = read_manifest(artifact)
-        problems = verify_artifact(artifact)
+        manifest = read_manifest(Path(artifact))
+        problems = verify_artifact(Path(artifact))
     except ArtifactError as e:
         _fail(str(e))
         return
@@ -168,7 +205,7 @@ def _sampling(max_tokens: int, temperature: float, top_k: int, top_p: float, see
 
 
 @main.command()
-@click.argument("artifact", type=click.Path(file_okay=False, path_type=Path))
+@click.argument("artifact")
 @click.argument("prompt")
 @click.option("--max-tokens", default=64, show_default=True)
 @click.option("--temperature", default=0.0, show_default=True, help="0 = greedy")
@@ -182,17 +219,19 @@ def _sampling(max_tokens: int, temperature: float, top_k: int, top_p: float, see
 @click.option("--cuda-graphs", type=click.Choice(["auto", "padded", "off"]), default=None,
               help="Decode-bucket CUDA graphs (torch and ONNX Runtime CUDA artifacts): auto captures them on a "
                    "GPU; padded runs the padded static-shape step uncaptured; off runs every step eagerly.")
-def generate(artifact: Path, prompt: str, max_tokens: int, temperature: float, top_k: int, top_p: float,
+@_reference_options
+def generate(artifact: str, prompt: str, max_tokens: int, temperature: float, top_k: int, top_p: float,
              seed: int | None, stop: tuple[str, ...], escapes: bool, device: str | None,
-             cuda_graphs: str | None) -> None:
-    """Stream a continuation of PROMPT from ARTIFACT to the terminal."""
+             cuda_graphs: str | None, require_signature: Path | None, insecure: bool) -> None:
+    """Stream a continuation of PROMPT from ARTIFACT (a folder, or a reference: pulled and verified first)."""
     from runtime.artifact import ArtifactError
     from runtime.engine import LLM
 
     if escapes:
         prompt = prompt.replace("\\n", "\n").replace("\\t", "\t")
+    folder = _resolve(artifact, require_signature, insecure)
     try:
-        llm = LLM(artifact, device=device, graphs=cuda_graphs)
+        llm = LLM(folder, device=device, graphs=cuda_graphs)
         params = _sampling(max_tokens, temperature, top_k, top_p, seed, stop)
         click.echo(prompt, nl=False)
         t = time.perf_counter()
@@ -246,7 +285,7 @@ def eval_cmd(artifact: Path, data: Path, chunk_len: int, max_tokens: int | None,
 
 
 @main.command()
-@click.argument("artifact", type=click.Path(file_okay=False, path_type=Path))
+@click.argument("artifact")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0: every interface).")
 @click.option("--port", default=8000, show_default=True, help="TCP port (0: any free port; the bound one is printed).")
 @click.option("--api-key", envvar="OPTIMIZE_API_KEY", default=None,
@@ -287,17 +326,22 @@ def eval_cmd(artifact: Path, data: Path, chunk_len: int, max_tokens: int | None,
                    "a tenant header set by the gateway); default: one cache shared by all requests.")
 @click.option("--cors-origin", "cors_origins", multiple=True,
               help="Allow cross-site requests from this origin (repeatable; * for any). Default: no CORS.")
-def serve(artifact: Path, host: str, port: int, api_key: str | None, served_model_name: str | None,
+@_reference_options
+def serve(artifact: str, host: str, port: int, api_key: str | None, served_model_name: str | None,
           max_waiting: int, request_timeout: float, max_body_bytes: int, shutdown_grace: float,
           num_kv_blocks: int | None, max_num_seqs: int | None, max_num_batched_tokens: int | None,
           max_model_len: int | None, threads: int | None, device: str | None, cuda_graphs: str | None,
-          **limits: object) -> None:
-    """Serve ARTIFACT over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /metrics)."""
+          require_signature: Path | None, insecure: bool, **limits: object) -> None:
+    """Serve ARTIFACT over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /metrics).
+
+    ARTIFACT is a folder or a reference (oci://HOST/REPO:TAG, file:///DIR/REPO:TAG), pulled (or taken from
+    the cache) and verified before anything is loaded."""
     from runtime.server import ServerConfig
     from runtime.server import serve as run_server
 
+    folder = _resolve(artifact, require_signature, insecure)
     try:
-        config = ServerConfig(artifact=artifact, host=host, port=port, api_key=api_key or None,
+        config = ServerConfig(artifact=folder, host=host, port=port, api_key=api_key or None,
                               served_model_name=served_model_name, max_waiting=max_waiting,
                               request_timeout=request_timeout, max_body_bytes=max_body_bytes,
                               shutdown_grace=shutdown_grace, num_kv_blocks=num_kv_blocks,
@@ -364,6 +408,120 @@ def bench(url: str, endpoint: str, model: str | None, num_requests: int, concurr
         click.echo(f"wrote {output_json}")
     if report["requests"]["completed"] == 0:
         _fail("no request completed")
+
+# --------------------------------------------------------------------------- registries: publish, pull, sign
+
+
+def _verify_reference(ref: str, public_key: Path | None, insecure: bool) -> None:
+    from runtime.artifact import ArtifactError
+    from runtime.oci import pull, verify_signature
+
+    try:
+        if public_key is not None:
+            digest, key_id = verify_signature(ref, public_key, insecure=insecure)
+            click.echo(f"signature ok: {ref} ({digest}) signed by {key_id}")
+        result = pull(ref, insecure=insecure)
+    except ArtifactError as e:
+        _fail(str(e))
+        return
+    click.echo(f"ok: {ref} ({result.digest}) verified at {result.path}")
+
+
+@main.command()
+@click.argument("artifact", type=click.Path(file_okay=False, exists=True, path_type=Path))
+@click.argument("ref")
+@click.option("--sign", "sign_key", type=click.Path(dir_okay=False, exists=True, path_type=Path), default=None,
+              metavar="KEY", help="Attach an Ed25519 signature (optimize keygen) as a referrer of the artifact.")
+@click.option("--insecure", is_flag=True, help="Plain HTTP to the registry (a local one), not TLS.")
+def publish(artifact: Path, ref: str, sign_key: Path | None, insecure: bool) -> None:
+    """Publish ARTIFACT to REF: oci://HOST[:PORT]/REPO[:TAG] or file:///DIR/REPO[:TAG] (TAG: the version).
+
+    A tag is immutable: publishing other content under an existing tag is refused; the same content
+    again changes nothing."""
+    from runtime.artifact import ArtifactError
+    from runtime.oci import publish as publish_artifact
+
+    try:
+        result = publish_artifact(artifact, ref, insecure=insecure, sign_key=sign_key)
+    except ArtifactError as e:
+        _fail(str(e))
+        return
+    if result.already:
+        click.echo(f"{result.reference} already holds {result.digest}: nothing to publish")
+    else:
+        click.echo(f"published {result.reference} ({result.digest}), {result.uploaded} blob(s) uploaded")
+    if result.signed:
+        click.echo(f"signed {result.digest} with {sign_key}")
+
+
+@main.command()
+@click.argument("ref")
+@click.option("-o", "--output", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Folder to create (default: the cache, $XDG_CACHE_HOME/optimize/artifacts/<digest>).")
+@_reference_options
+def pull(ref: str, output: Path | None, require_signature: Path | None, insecure: bool) -> None:
+    """Fetch REF into the local cache (digests checked while streaming) and materialize a verified folder."""
+    from runtime.artifact import ArtifactError
+    from runtime.oci import pull as pull_artifact
+
+    try:
+        result = pull_artifact(ref, output, insecure=insecure, require_signature=require_signature)
+    except ArtifactError as e:
+        _fail(str(e))
+        return
+    verb = "reused" if result.reused else "pulled"
+    click.echo(f"{verb} {result.reference} ({result.digest}) into {result.path}")
+
+
+@main.command()
+@click.option("-o", "--output", default="optimize-signing", show_default=True, metavar="PREFIX",
+              help="Writes PREFIX.key (private, mode 0600) and PREFIX.pub.")
+def keygen(output: str) -> None:
+    """Create an Ed25519 key pair for signing artifacts (publish --sign, verify --key, --require-signature)."""
+    from runtime.oci import SignatureError
+    from runtime.oci import keygen as make_keys
+
+    try:
+        key_id = make_keys(Path(f"{output}.key"), Path(f"{output}.pub"))
+    except (SignatureError, OSError) as e:
+        _fail(str(e))
+        return
+    click.echo(f"wrote {output}.key and {output}.pub (key {key_id})")
+
+
+@main.command("list")
+@click.argument("repo")
+@click.option("--json", "as_json", is_flag=True)
+@click.option("--insecure", is_flag=True, help="Plain HTTP to the registry (a local one), not TLS.")
+def list_cmd(repo: str, as_json: bool, insecure: bool) -> None:
+    """Tags of REPO (oci://HOST/REPO or file:///DIR/REPO) with name, version, created, target and quality."""
+    from compiler.publish import format_list, list_tags
+    from runtime.artifact import ArtifactError
+
+    try:
+        rows = list_tags(repo, insecure=insecure)
+    except ArtifactError as e:
+        _fail(str(e))
+        return
+    click.echo(json.dumps(rows, indent=2) if as_json else format_list(rows))
+
+
+@main.command()
+@click.argument("a")
+@click.argument("b")
+@click.option("--json", "as_json", is_flag=True)
+@click.option("--insecure", is_flag=True, help="Plain HTTP to the registry (a local one), not TLS.")
+def diff(a: str, b: str, as_json: bool, insecure: bool) -> None:
+    """Compare two artifacts (folders or references): recipe, passes, kernels, quantization, quality, files."""
+    from compiler.publish import diff_artifacts, format_diff
+    from runtime.artifact import ArtifactError
+
+    try:
+        result = diff_artifacts(a, b, insecure=insecure)
+    except ArtifactError as e:
+        _fail(str(e))
+        return
+    click.echo(json.dumps(result, indent=2, sort_keys=True) if as_json else format_diff(result))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -429,7 +429,15 @@ def _find_stop(text: str, stops: list[str], emitted: int) -> int | None:
 class LLM:
     """Offline generation from an artifact: `LLM(path).generate(prompts, params)`."""
 
-    def __init__(self, artifact: str | Path, **engine_kwargs: Any) -> None:
+    def __init__(self, artifact: str | Path, *, require_signature: str | Path | None = None, insecure: bool = False,
+                 **engine_kwargs: Any) -> None:
+        """`artifact`: a folder, or a reference (oci://HOST/REPO:TAG, file:///DIR/REPO:TAG) pulled or reused
+        from the cache and verified first; `require_signature`: a public key the reference must be signed by."""
+        from runtime.oci import is_reference, resolve_artifact
+
+        if is_reference(artifact) or require_signature is not None:
+            key = Path(require_signature) if require_signature is not None else None
+            artifact = resolve_artifact(artifact, insecure=insecure, require_signature=key)
         self.engine = LLMEngine(artifact, **engine_kwargs)
         self._ids = itertools.count()
 

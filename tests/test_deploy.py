@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +58,7 @@ def test_probes_and_ports_match_the_server(docs: dict[str, dict[str, Any]]) -> N
 
     svc = docs["Service"]["spec"]
     assert svc["selector"].items() <= docs["Deployment"]["spec"]["template"]["metadata"]["labels"].items()
-    assert docs["Deployment"]["spec"]["selector"]["matchLabels"] == svc["selector"]
+    assert svc["selector"].items() <= docs["Deployment"]["spec"]["selector"]["matchLabels"].items()
     (sp,) = svc["ports"]
     assert sp["targetPort"] in ("http", port)
 
@@ -71,9 +72,63 @@ def test_artifact_read_only_limits_and_drain_time(docs: dict[str, dict[str, Any]
     artifact_path = c["args"][1]
     (mount,) = [m for m in mounts.values() if artifact_path.startswith(m["mountPath"].rstrip("/") + "/")]
     assert mount["readOnly"] is True
-    assert vols[mount["name"]]["persistentVolumeClaim"]["readOnly"] is True
+    assert "emptyDir" in vols[mount["name"]]  # filled by the init container's verified pull, pod-local
     for kind in ("requests", "limits"):
         assert {"cpu", "memory"} <= set(c["resources"][kind])
     grace = float(_flag(c["args"], "--shutdown-grace") or server.DEFAULT_SHUTDOWN_GRACE)
     assert pod["terminationGracePeriodSeconds"] > grace  # the drain finishes before the kubelet kills
     assert deploy["spec"]["replicas"] >= 2
+
+
+CANARY = ROOT / "deploy" / "canary.yaml"
+
+
+def _pull(deploy: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    from runtime.oci import parse_reference
+
+    (init,) = deploy["spec"]["template"]["spec"]["initContainers"]
+    args = init["args"]
+    assert args[0] == "pull"
+    return init, parse_reference(args[1])
+
+
+def test_pull_by_digest_signed_before_the_server_starts(docs: dict[str, dict[str, Any]]) -> None:
+    deploy = docs["Deployment"]
+    init, ref = _pull(deploy)
+    assert ref.scheme == "oci" and ref.digest and re.fullmatch(r"sha256:[0-9a-f]{64}", ref.digest)
+    args = init["args"]
+    out = _flag(args, "-o")
+    assert out == _container(deploy)["args"][1]  # the server serves what the init container verified
+    key = _flag(args, "--require-signature")
+    mounts = {m["mountPath"]: m for m in init["volumeMounts"]}
+    assert key and any(key.startswith(p + "/") and m["readOnly"] for p, m in mounts.items())
+    artifacts = next(m for p, m in mounts.items() if out.startswith(p + "/"))
+    cache = next(e["value"] for e in init["env"] if e["name"] == "XDG_CACHE_HOME")
+    assert cache.startswith(next(p for p, m in mounts.items() if m is artifacts) + "/")  # hard links: same volume
+    assert not artifacts.get("readOnly")
+
+
+def test_canary_beside_stable_and_rollback(docs: dict[str, dict[str, Any]]) -> None:
+    (canary,) = [d for d in yaml.safe_load_all(CANARY.read_text(encoding="utf-8")) if d]
+    stable = docs["Deployment"]
+    assert canary["kind"] == "Deployment" and canary["metadata"]["name"] != stable["metadata"]["name"]
+    svc = docs["Service"]["spec"]["selector"]
+    sel_s, sel_c = stable["spec"]["selector"]["matchLabels"], canary["spec"]["selector"]["matchLabels"]
+    labels_s = stable["spec"]["template"]["metadata"]["labels"]
+    labels_c = canary["spec"]["template"]["metadata"]["labels"]
+    assert svc.items() <= labels_s.items() and svc.items() <= labels_c.items()  # one Service, both tracks
+    assert sel_s.items() <= labels_s.items() and sel_c.items() <= labels_c.items()
+    assert not sel_s.items() <= labels_c.items() and not sel_c.items() <= labels_s.items()  # no overlap
+    assert 0 < canary["spec"]["replicas"] < stable["spec"]["replicas"]  # a slice of the traffic
+    (_, ref_s), (_, ref_c) = _pull(stable), _pull(canary)
+    assert (ref_s.host, ref_s.repo) == (ref_c.host, ref_c.repo) and ref_s.digest != ref_c.digest
+    assert ref_c.digest and re.fullmatch(r"sha256:[0-9a-f]{64}", ref_c.digest)
+    c_s, c_c = _container(stable), _container(canary)
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c_c[probe] == c_s[probe]
+    assert c_c["args"] == c_s["args"] and c_c["resources"] == c_s["resources"]
+    assert _flag(_pull(canary)[0]["args"], "--require-signature") == _flag(_pull(stable)[0]["args"],
+                                                                          "--require-signature")
+    assert canary["spec"]["template"]["metadata"]["annotations"] == stable["spec"]["template"]["metadata"]["annotations"]
+    text = CANARY.read_text(encoding="utf-8")
+    assert "kubectl delete -f deploy/canary.yaml" in text and "rollout undo" in text

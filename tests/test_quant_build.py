@@ -8,6 +8,7 @@ so they are marked slow and shared through a module fixture that builds a recipe
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -305,3 +306,34 @@ def test_symmetric_int4_builds_in_both_forms_with_the_same_logits(small: tuple[P
     fb = _batch()
     np.testing.assert_allclose(LLMEngine(built["qdq"]).backend.forward(fb),
                                LLMEngine(built["matmulnbits"]).backend.forward(fb), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_diff_fp32_demo_against_int4_awq_demo(demo: object, demo_artifact: Path) -> None:
+    """`optimize diff` names the quantization passes, the quality delta and the size change."""
+    from click.testing import CliRunner
+
+    from compiler.cli import main
+    from compiler.publish import diff_artifacts
+
+    awq = demo("int4-awq")  # type: ignore[operator]
+    d = diff_artifacts(str(demo_artifact), str(awq))
+    added = {p["pass"] for p in d["passes"] if p["change"] == "added"}
+    assert {"quantize_awq", "lower_quant"} <= added
+    assert d["quantization"]["quantize_awq"] == _pass_stats(awq, "quantize_awq")
+    ppl = next(q for q in d["quality"] if q["metric"] == "perplexity")
+    assert ppl["a"] == _metrics(demo_artifact)["perplexity"] and ppl["b"] == _metrics(awq)["perplexity"]
+    assert ppl["delta"] == pytest.approx(ppl["b"] - ppl["a"]) and ppl["delta"] > 0
+    size_a = sum(f["bytes"] for f in _manifest(demo_artifact)["files"])
+    size_b = sum(f["bytes"] for f in _manifest(awq)["files"])
+    assert d["size"] == {"a": size_a, "b": size_b, "delta": size_b - size_a, "ratio": round(size_b / size_a, 4)}
+    assert size_b < size_a / 2
+    assert any(f["path"] == "model.onnx" and f["change"] == "changed" for f in d["files"])
+
+    r = CliRunner().invoke(main, ["diff", str(demo_artifact), str(awq)])
+    assert r.exit_code == 0, r.output
+    assert "+ quantize_awq" in r.output and "+ lower_quant" in r.output
+    assert re.search(rf"perplexity\s+{ppl['a']:.6g}\s+{ppl['b']:.6g}\s+{ppl['delta']:.6g}", r.output), r.output
+    assert f"({size_b - size_a:+d} bytes" in r.output
+    r = CliRunner().invoke(main, ["diff", str(demo_artifact), str(awq), "--json"])
+    assert json.loads(r.output)["size"]["delta"] == size_b - size_a

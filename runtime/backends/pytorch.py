@@ -104,7 +104,9 @@ class TorchBackend:
         tdtype = getattr(torch, kv_name)
         self.kv_dtype = np.dtype(kv_name) if kv_name != "bfloat16" else None  # numpy has no bfloat16
         from runtime.backends import torch_ops  # noqa: F401 (registers the custom ops the program may call)
+        from runtime.pt2_check import check_pt2
 
+        check_pt2(model_path)  # refuses pickles and opaque objects before torch.export.load unpickles them
         exported = torch.export.load(str(model_path))
         if device != "cpu":
             from torch.export.passes import move_to_device_pass
