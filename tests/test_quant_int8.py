@@ -307,3 +307,19 @@ def test_smoothquant_without_calibration_data_is_refused(tmp_path: Path) -> None
                           "      smoothquant_alpha: 0.5\n  - name: lower_onnx\n  - name: lower_quant\n  - name: package\n")
     with pytest.raises(RecipeError, match="needs calibration data"):
         plan(recipe)
+
+
+def test_int4_matmulnbits_computes_in_int8_by_default_on_cpu(small: dict[str, Path]) -> None:
+    """lower_quant's accuracy_level defaults to 4 on onnxruntime/cpu (int8 compute of the activations in
+    MatMulNBits: measured faster at the same accuracy, docs/architecture.md); an explicit 0 is kept."""
+    levels = {}
+    for name, lower in (("int4-default", ""), ("int4-level0", "    options: {accuracy_level: 0}\n")):
+        recipe = write_recipe(small["folder"], small["llama"], name=name, passes=(
+            "  - name: capture\n  - name: quantize_rtn\n    options: {group_size: 32}\n  - name: lower_onnx\n"
+            f"  - name: lower_quant\n{lower}  - name: package\n"))
+        art = build(recipe, progress=False)
+        nodes = [n for n in onnx.load(str(art / "model.onnx")).graph.node if n.op_type == "MatMulNBits"]
+        assert len(nodes) == 14  # 7 Linears x 2 layers (lm_head: the default ignore list)
+        levels[name] = {helper.get_attribute_value(a) for n in nodes for a in n.attribute if a.name == "accuracy_level"}
+        assert _pass_stats(art, "lower_quant")["accuracy_level"] == min(levels[name])
+    assert levels == {"int4-default": {4}, "int4-level0": {0}}

@@ -4,8 +4,10 @@ Runs after lower_onnx. Every quantized weight initializer becomes DequantizeLine
 form (the portable QDQ IR: blocked uint4 with zero points for INT4, float8e4m3fn for FP8); FP8
 activations get QuantizeLinear/DequantizeLinear before their Gemm; a quantized KV cache changes
 the pool inputs and new K/V outputs to int8 / E4M3. For ONNX Runtime, `int4_format: matmulnbits`
-(the default) then rewrites each DQ(uint4) + Gemm into com.microsoft.MatMulNBits. The rewrites
-and their counts are in compiler/quant/onnx_rules.py; the pass ends with onnx.checker (full).
+(the default) then rewrites each DQ(uint4) + Gemm into com.microsoft.MatMulNBits; each DQ(int8) +
+Gemm of quantize_int8 becomes an integer GEMM (MatMulIntegerToFloat by default) with its input
+quantized at run time. The rewrites and their counts are in compiler/quant/onnx_rules.py; the pass
+ends with onnx.checker (full).
 """
 
 from __future__ import annotations
@@ -25,12 +27,15 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class LowerQuantOptions:
     int4_format: Literal["matmulnbits", "qdq"] = "matmulnbits"  # qdq: keep DequantizeLinear + Gemm
-    accuracy_level: int = 0  # MatMulNBits: 0 = float32 compute; 4 = int8 compute of activations (faster)
+    # MatMulNBits: 0 = float compute; 4 = int8 compute of the activations (VNNI; per block of the weight's
+    # group). None: 4 on ONNX Runtime CPU (measured faster at the demo's and the issue's accuracy bounds,
+    # docs/architecture.md "Quantization"), 0 elsewhere (the CUDA kernels compute in float).
+    accuracy_level: int | None = None
     # quantize_int8's integer GEMM; auto: the measured best for its activation mode (INT8_AUTO)
     int8_op: Literal["auto", "MatMulIntegerToFloat", "DynamicQuantizeMatMul", "MatMulInteger"] = "auto"
 
     def __post_init__(self) -> None:
-        if self.accuracy_level not in (0, 1, 2, 3, 4):
+        if self.accuracy_level not in (None, 0, 1, 2, 3, 4):
             raise ValueError(f"accuracy_level must be 0..4, got {self.accuracy_level}")
         if self.int8_op not in ("auto", "MatMulIntegerToFloat", "DynamicQuantizeMatMul", "MatMulInteger"):
             raise ValueError(f"int8_op must be auto, MatMulIntegerToFloat, DynamicQuantizeMatMul or MatMulInteger, "
@@ -53,7 +58,8 @@ class LowerQuantPass(Pass):
     name: ClassVar[str] = "lower_quant"
     Config = LowerQuantOptions
     requires = ("lower_onnx",)
-    summary = "quantized tensors -> DequantizeLinear (QDQ IR) / MatMulNBits, FP8 activation Q/DQ, KV-cache Q/DQ"
+    summary = ("quantized tensors -> DequantizeLinear (QDQ IR) / MatMulNBits / INT8 integer GEMMs, FP8 activation "
+               "Q/DQ, KV-cache Q/DQ")
 
     def skip_reason(self, ctx: BuildContext) -> str | None:
         st = ctx.artifacts.get("quant")
@@ -136,6 +142,9 @@ class LowerQuantPass(Pass):
         if int4 and self.config.int4_format == "matmulnbits":
             rule = R.DqGemmToMatMulNBits(float_type)
             level = self.config.accuracy_level
+            if level is None:
+                level = 4 if (ctx.recipe.target.backend, ctx.recipe.target.device) == ("onnxruntime", "cpu") else 0
+            stats["accuracy_level"] = level
             fired, not_fused = 0, {}
             for name in sorted(st.weights):
                 dq = dq_nodes[name]
