@@ -29,6 +29,7 @@ RECIPES = {
     "int4 awq": "demo-int4-awq.yaml",
     "int4 gptq": "demo-int4-gptq.yaml",
     "fp8 w+a": "demo-fp8.yaml",
+    "int8 w8a8": "demo-int8.yaml",
     "kv int8": "demo-kv-int8.yaml",
 }
 PROMPTS = decode_throughput.PROMPTS  # the same 8 prompts as the decode-throughput bench

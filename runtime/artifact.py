@@ -564,6 +564,9 @@ def pass_changes(entry: dict[str, Any]) -> str:
                      + (f", float: {', '.join(kept)}" if kept else ""))
     if st.get("matmulnbits_fused"):
         parts.append(f"MatMulNBits x{st['matmulnbits_fused']}")
+    if st.get("int8_matmuls"):
+        parts.append(f"{st.get('int8_op')} x{st['int8_matmuls']} (int8 activations {st.get('int8_activations')}, "
+                     f"{st.get('int8_input_quantizations')} input quantizations)")
     linears = [f"{label} Linears x{st[key]}" for key, label in (("fp8_linears", "FP8"), ("int4_linears", "INT4"))
                if st.get(key)]
     if linears:

@@ -296,7 +296,8 @@ def test_symmetric_int4_builds_in_both_forms_with_the_same_logits(small: tuple[P
         recipe = _small_recipe(folder, ckpt, f"sym-{fmt}",
                                "  - name: capture\n  - name: quantize_rtn\n    options:\n      group_size: 32\n"
                                "      symmetric: true\n  - name: lower_onnx\n  - name: lower_quant\n    options:\n"
-                               f"      int4_format: {fmt}\n  - name: package\n")
+                               f"      int4_format: {fmt}\n      accuracy_level: 0\n"  # float compute: same logits
+                               "  - name: package\n")
         built[fmt] = build(recipe, progress=False)
     assert _pass_stats(built["qdq"], "quantize_rtn")["symmetric"] is True
     model = _graph(built["qdq"])

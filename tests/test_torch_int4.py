@@ -30,7 +30,8 @@ def test_torch_int4_program_matches_the_onnx_int4_artifact(tmp_path: Path, metho
     ckpt = make_random_checkpoint(tmp_path / "ckpt", "Qwen2ForCausalLM", seed=5)  # QKV bias: Int4Linear bias
     extra = CALIBRATION if method == "gptq" else ""
     onnx_art = build(write_recipe(tmp_path, ckpt, name="onnx-int4", extra=extra, passes=(
-        "  - name: capture\n" + INT4[method] + "  - name: lower_onnx\n  - name: lower_quant\n  - name: package\n")),
+        "  - name: capture\n" + INT4[method] + "  - name: lower_onnx\n  - name: lower_quant\n"
+        "    options: {accuracy_level: 0}\n  - name: package\n")),  # float compute, as the program's
         progress=False)
     torch_art = build(write_recipe(tmp_path, ckpt, name="torch-int4", backend="torch", extra=extra, passes=(
         "  - name: capture\n" + INT4[method] + "  - name: lower_quant_torch\n  - name: package\n")),

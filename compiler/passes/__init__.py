@@ -14,6 +14,7 @@ from compiler.passes.plan_cuda_graphs import PlanCudaGraphsPass
 from compiler.passes.quantize_awq import QuantizeAwqPass
 from compiler.passes.quantize_fp8 import QuantizeFp8Pass
 from compiler.passes.quantize_gptq import QuantizeGptqPass
+from compiler.passes.quantize_int8 import QuantizeInt8Pass
 from compiler.passes.quantize_kv_cache import QuantizeKvCachePass
 from compiler.passes.quantize_rtn import QuantizeRtnPass
 from compiler.passes.select_attention import SelectAttentionPass
@@ -30,6 +31,7 @@ PASSES: dict[str, type[Pass]] = {
         QuantizeAwqPass,
         QuantizeGptqPass,
         QuantizeFp8Pass,
+        QuantizeInt8Pass,
         QuantizeKvCachePass,
         # lowering
         LowerOnnxPass,

@@ -4,8 +4,10 @@ Runs after lower_onnx. Every quantized weight initializer becomes DequantizeLine
 form (the portable QDQ IR: blocked uint4 with zero points for INT4, float8e4m3fn for FP8); FP8
 activations get QuantizeLinear/DequantizeLinear before their Gemm; a quantized KV cache changes
 the pool inputs and new K/V outputs to int8 / E4M3. For ONNX Runtime, `int4_format: matmulnbits`
-(the default) then rewrites each DQ(uint4) + Gemm into com.microsoft.MatMulNBits. The rewrites
-and their counts are in compiler/quant/onnx_rules.py; the pass ends with onnx.checker (full).
+(the default) then rewrites each DQ(uint4) + Gemm into com.microsoft.MatMulNBits; each DQ(int8) +
+Gemm of quantize_int8 becomes an integer GEMM (MatMulIntegerToFloat by default) with its input
+quantized at run time. The rewrites and their counts are in compiler/quant/onnx_rules.py; the pass
+ends with onnx.checker (full).
 """
 
 from __future__ import annotations
@@ -25,11 +27,24 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class LowerQuantOptions:
     int4_format: Literal["matmulnbits", "qdq"] = "matmulnbits"  # qdq: keep DequantizeLinear + Gemm
-    accuracy_level: int = 0  # MatMulNBits: 0 = float32 compute; 4 = int8 compute of activations (faster)
+    # MatMulNBits: 0 = float compute; 4 = int8 compute of the activations (VNNI; per block of the weight's
+    # group). None: 4 on ONNX Runtime CPU (measured faster at the demo's and the issue's accuracy bounds,
+    # docs/architecture.md "Quantization"), 0 elsewhere (the CUDA kernels compute in float).
+    accuracy_level: int | None = None
+    # quantize_int8's integer GEMM; auto: the measured best for its activation mode (INT8_AUTO)
+    int8_op: Literal["auto", "MatMulIntegerToFloat", "DynamicQuantizeMatMul", "MatMulInteger"] = "auto"
 
     def __post_init__(self) -> None:
-        if self.accuracy_level not in (0, 1, 2, 3, 4):
+        if self.accuracy_level not in (None, 0, 1, 2, 3, 4):
             raise ValueError(f"accuracy_level must be 0..4, got {self.accuracy_level}")
+        if self.int8_op not in ("auto", "MatMulIntegerToFloat", "DynamicQuantizeMatMul", "MatMulInteger"):
+            raise ValueError(f"int8_op must be auto, MatMulIntegerToFloat, DynamicQuantizeMatMul or MatMulInteger, "
+                             f"got {self.int8_op!r}")
+
+
+# quantize_int8 activation mode -> the integer GEMM `int8_op: auto` writes (measured on ONNX Runtime CPU,
+# docs/architecture.md "Quantization")
+INT8_AUTO = {"per_token": "MatMulIntegerToFloat", "per_tensor": "MatMulIntegerToFloat"}
 
 
 def _initializer_bytes(model: Any, names: set[str]) -> int:
@@ -43,7 +58,8 @@ class LowerQuantPass(Pass):
     name: ClassVar[str] = "lower_quant"
     Config = LowerQuantOptions
     requires = ("lower_onnx",)
-    summary = "quantized tensors -> DequantizeLinear (QDQ IR) / MatMulNBits, FP8 activation Q/DQ, KV-cache Q/DQ"
+    summary = ("quantized tensors -> DequantizeLinear (QDQ IR) / MatMulNBits / INT8 integer GEMMs, FP8 activation "
+               "Q/DQ, KV-cache Q/DQ")
 
     def skip_reason(self, ctx: BuildContext) -> str | None:
         st = ctx.artifacts.get("quant")
@@ -57,6 +73,7 @@ class LowerQuantPass(Pass):
 
         from compiler.quant import onnx_rules as R
         from compiler.quant.int4 import Int4Weight
+        from compiler.quant.int8 import Int8Weight
 
         model = ctx.require("onnx", self.name)
         st = ctx.artifacts["quant"]
@@ -124,6 +141,10 @@ class LowerQuantPass(Pass):
         int4 = {dq_nodes[n].input[0]: q.data for n, q in st.weights.items() if isinstance(q.data, Int4Weight)}
         if int4 and self.config.int4_format == "matmulnbits":
             rule = R.DqGemmToMatMulNBits(float_type)
+            level = self.config.accuracy_level
+            if level is None:
+                level = 4 if (ctx.recipe.target.backend, ctx.recipe.target.device) == ("onnxruntime", "cpu") else 0
+            stats["accuracy_level"] = level
             fired, not_fused = 0, {}
             for name in sorted(st.weights):
                 dq = dq_nodes[name]
@@ -133,11 +154,38 @@ class LowerQuantPass(Pass):
                 if reason:
                     not_fused[name] = reason
                     continue
-                fired += rule.rewrite(g, dq, int4, self.config.accuracy_level)
+                fired += rule.rewrite(g, dq, int4, level)
             stats["matmulnbits_fused"] = fired
             if not_fused:
                 stats["matmulnbits_not_fused"] = dict(sorted(not_fused.items()))
             if fired and not any(o.domain == R.MS_DOMAIN for o in model.opset_import):
+                model.opset_import.append(onnx.helper.make_opsetid(R.MS_DOMAIN, 1))
+
+        # 4b. INT8 DQ + Gemm -> an integer GEMM with the input quantized at run time
+        int8 = {n: q.data for n, q in st.weights.items() if isinstance(q.data, Int8Weight)}
+        if int8:
+            modes = {w.activations for w in int8.values()}
+            if len(modes) != 1:
+                raise BuildError(f"lower_quant: int8 weights with mixed activation modes {sorted(modes)}")
+            mode = modes.pop()
+            op = INT8_AUTO[mode] if self.config.int8_op == "auto" else self.config.int8_op
+            if op not in R.INT8_OPS[mode]:
+                raise BuildError(f"lower_quant: int8_op {op} does not take {mode} activations; "
+                                 f"use one of {', '.join(R.INT8_OPS[mode])} (or auto)")
+            rule8 = R.DqGemmToInt8(op, mode)
+            fired8, not_lowered = 0, {}
+            for name in sorted(int8):
+                reason = rule8.check(g, dq_nodes[name])
+                if reason:
+                    not_lowered[name] = reason
+                    continue
+                fired8 += rule8.rewrite(g, dq_nodes[name], int8[name])
+            if not_lowered:  # a float GEMM would silently drop the int8 compute the recipe asked for
+                raise BuildError("lower_quant: int8 weights that cannot be lowered to an integer GEMM:\n  " +
+                                 "\n  ".join(f"{k}: {v}" for k, v in sorted(not_lowered.items())))
+            stats.update({"int8_op": op, "int8_activations": mode, "int8_matmuls": fired8,
+                          "int8_input_quantizations": rule8.quantized_inputs or fired8})
+            if not any(o.domain == R.MS_DOMAIN for o in model.opset_import):
                 model.opset_import.append(onnx.helper.make_opsetid(R.MS_DOMAIN, 1))
 
         # 5. KV cache
@@ -180,7 +228,8 @@ class LowerQuantPass(Pass):
             })
         stats.update({
             "op_counts": {k: ops[k] for k in sorted(ops) if k in (
-                "MatMulNBits", "DequantizeLinear", "QuantizeLinear", "Gemm", "MatMul", "Gather")},
+                "MatMulNBits", "DequantizeLinear", "QuantizeLinear", "Gemm", "MatMul", "Gather",
+                "DynamicQuantizeLinear", "DynamicQuantizeMatMul", "MatMulIntegerToFloat", "MatMulInteger")},
             "nodes_before": nodes_before,
             "nodes": sum(ops.values()),
         })

@@ -8,6 +8,8 @@ returns a reason when it does not apply, and the pass reports how often each fir
 - `ActivationQdq`     FP8 activations: QuantizeLinear/DequantizeLinear on the A input of a Gemm whose
                       B is an FP8 DQ (static per-tensor scale, or per-token scale computed in the graph)
 - `DqGemmToMatMulNBits`  DQ(uint4, axis 1, block) + Gemm(transB=1) -> com.microsoft.MatMulNBits
+- `DqGemmToInt8`      DQ(int8, axis 0) + Gemm(transB=1) -> ONNX Runtime's integer GEMM with the input
+                      quantized at run time (per token or per tensor), one quantization per input
 - `KvCacheQdq`        the KV pool inputs become int8 (QDQ per head) or uint8 holding E4M3 bits
                       (decoded by a 256-entry table: ONNX Gather does not take float8), and the
                       new K/V outputs QuantizeLinear per head
@@ -29,6 +31,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from compiler.quant.fp8 import E4M3_MAX, Fp8Weight
 from compiler.quant.int4 import SYMMETRIC_ZERO, Int4Weight, pack_matmulnbits
+from compiler.quant.int8 import ACT_ZERO_POINT, MIN_SCALE, QMAX, Int8Weight
 from compiler.quant.state import KvCacheQuant, QuantizedWeight
 
 MS_DOMAIN = "com.microsoft"
@@ -206,6 +209,12 @@ class WeightToQdq:
             ]
             node = helper.make_node("DequantizeLinear", inputs, [out], name=g.unique(f"{base}_DequantizeLinear"),
                                     axis=1, block_size=d.group_size)
+        elif isinstance(d, Int8Weight):
+            inputs = [
+                g.add_init(_tensor(d.codes, g.unique(f"{base}_quantized"))),
+                g.add_init(_tensor(d.scales.astype(self.float_type), g.unique(f"{base}_scale"))),
+            ]
+            node = helper.make_node("DequantizeLinear", inputs, [out], name=g.unique(f"{base}_DequantizeLinear"), axis=0)
         elif isinstance(d, Fp8Weight):
             codes = d.codes.view(ml_dtypes.float8_e4m3fn)
             inputs = [
@@ -334,6 +343,150 @@ class DqGemmToMatMulNBits:
                                     domain=MS_DOMAIN, K=k, N=n, bits=4, block_size=q.group_size,
                                     accuracy_level=accuracy_level)
             g.nodes[g.index(u)] = node
+            fired += 1
+        g.nodes.remove(dq)
+        return fired
+
+
+# the integer GEMM forms lower_quant can write for int8 weights (per activation mode)
+INT8_OPS: dict[str, tuple[str, ...]] = {
+    "per_token": ("MatMulIntegerToFloat", "MatMulInteger"),
+    "per_tensor": ("DynamicQuantizeMatMul", "MatMulIntegerToFloat", "MatMulInteger"),
+}
+
+
+class DqGemmToInt8:
+    """DequantizeLinear(int8 [N, K], per-row scale, axis 0) feeding Gemm(transB=1) as B -> an integer GEMM
+    of ONNX Runtime with the A input quantized to uint8 at run time.
+
+    The weight is stored transposed ([K, N] int8, what the integer ops take). `op`:
+    - DynamicQuantizeMatMul (com.microsoft, per tensor only): one node per Linear, quantizes its own input;
+    - MatMulIntegerToFloat (com.microsoft): int32 accumulation times a_scale * b_scale[n] (+ bias) in the kernel;
+    - MatMulInteger (ONNX): int32 output, then Cast and Mul by the scales (+ Add of the bias).
+    The input is quantized once per tensor and shared by the Linears that read it (q/k/v, gate/up):
+    per tensor with DynamicQuantizeLinear; per token as Abs, ReduceMax, Mul(1/127), Max(tiny) -> s [T, 1],
+    then QuantizeLinear(x / s, 1, 128) -> uint8 (integer values in [-127, 127] around zero point 128),
+    and the GEMM's output is multiplied by s.
+    """
+
+    def __init__(self, op: str, activations: str) -> None:
+        if op not in INT8_OPS[activations]:
+            raise ValueError(f"int8 op {op!r} does not take {activations} activations; "
+                             f"use one of {', '.join(INT8_OPS[activations])}")
+        self.op = op
+        self.activations = activations
+        self._quantized: dict[str, tuple[str, str, str]] = {}  # input -> (codes, scale, zero point)
+        self._consts: dict[str, str] = {}
+
+    def check(self, g: Graph, dq: onnx.NodeProto) -> str | None:
+        if dq.op_type != "DequantizeLinear":
+            return "not a DequantizeLinear"
+        w = g.inits.get(dq.input[0])
+        if w is None or w.data_type != TensorProto.INT8:
+            return "input is not an int8 initializer"
+        if len(dq.input) > 2 and dq.input[2]:
+            return "has a zero point (int8 weights here are symmetric)"
+        if attr(dq, "axis", 1) != 0 or attr(dq, "block_size", 0):
+            return "not per output channel (axis 0)"
+        users = g.consumers(dq.output[0])
+        if not users:
+            return "nothing reads the dequantized weight"
+        for u in users:
+            if u.op_type != "Gemm" or list(u.input[1:2]) != [dq.output[0]]:
+                return f"the dequantized weight also feeds {u.op_type} {u.name!r}"
+            if attr(u, "transB", 0) != 1 or attr(u, "transA", 0) != 0 or abs(attr(u, "alpha", 1.0) - 1.0) > 0:
+                return f"Gemm {u.name!r} is not A x B^T"
+            if len(u.input) > 2 and u.input[2] and (u.input[2] not in g.inits or abs(attr(u, "beta", 1.0) - 1.0) > 0):
+                return f"Gemm {u.name!r} has a bias that is not a constant added once"
+        return None
+
+    @property
+    def quantized_inputs(self) -> int:
+        """Distinct tensors quantized so far (0 for DynamicQuantizeMatMul, which quantizes inside each node)."""
+        return len(self._quantized)
+
+    def _const(self, g: Graph, key: str, value: np.ndarray) -> str:
+        if key not in self._consts:
+            self._consts[key] = g.add_init(_tensor(value, g.unique(key)))
+        return self._consts[key]
+
+    def _quantize_input(self, g: Graph, x: str) -> tuple[str, str, str]:
+        """(uint8 codes, scale, zero point) of tensor x, written once right after x is produced."""
+        if x in self._quantized:
+            return self._quantized[x]
+        nodes: list[onnx.NodeProto] = []
+        if self.activations == "per_tensor":
+            xq, sc, zp = g.unique(f"{x}_int8"), g.unique(f"{x}_int8_scale"), g.unique(f"{x}_int8_zero_point")
+            nodes.append(helper.make_node("DynamicQuantizeLinear", [x], [xq, sc, zp],
+                                          name=g.unique(f"{x}_DynamicQuantizeLinear")))
+        else:
+            axes = self._const(g, "int8_reduce_axes", np.array([-1], np.int64))
+            inv = self._const(g, "int8_inv_qmax", np.array(1.0 / QMAX, np.float32))
+            tiny = self._const(g, "int8_min_scale", np.array(MIN_SCALE, np.float32))
+            one = self._const(g, "int8_unit_scale", np.array(1.0, np.float32))
+            zp = self._const(g, "int8_act_zero_point", np.array(ACT_ZERO_POINT, np.uint8))
+            ab, am, sd, sc = (g.unique(f"{x}_{s}") for s in ("abs", "amax", "amax_scaled", "int8_scale"))
+            xs, xq = g.unique(f"{x}_scaled"), g.unique(f"{x}_int8")
+            nodes += [
+                helper.make_node("Abs", [x], [ab], name=g.unique(f"{x}_Abs")),
+                helper.make_node("ReduceMax", [ab, axes], [am], name=g.unique(f"{x}_ReduceMax"), keepdims=1),
+                helper.make_node("Mul", [am, inv], [sd], name=g.unique(f"{x}_MulInvQmax")),
+                helper.make_node("Max", [sd, tiny], [sc], name=g.unique(f"{x}_MaxTiny")),
+                helper.make_node("Div", [x, sc], [xs], name=g.unique(f"{x}_DivScale")),
+                helper.make_node("QuantizeLinear", [xs, one, zp], [xq], name=g.unique(f"{x}_QuantizeLinear")),
+            ]
+        producer = g.producer(x)  # right after x exists: every Gemm reading x comes later
+        if producer is None:
+            g.nodes[0:0] = nodes
+        else:
+            g.insert_after(producer, nodes)
+        self._quantized[x] = (xq, sc, zp)
+        return self._quantized[x]
+
+    def rewrite(self, g: Graph, dq: onnx.NodeProto, w: Int8Weight) -> int:
+        base = dq.input[0].removesuffix("_quantized")
+        wt = g.add_init(_tensor(np.ascontiguousarray(w.codes.T), g.unique(f"{base}_int8_kn")))
+        bs = g.add_init(_tensor(w.scales.astype(np.float32), g.unique(f"{base}_int8_scale")))
+        fired = 0
+        for u in g.consumers(dq.output[0]):
+            x, out = u.input[0], u.output[0]
+            bias = u.input[2] if len(u.input) > 2 and u.input[2] else ""
+            name = g.unique(f"{u.name}_int8")
+            new: list[onnx.NodeProto] = []
+            if self.op == "DynamicQuantizeMatMul":
+                new.append(helper.make_node("DynamicQuantizeMatMul", [x, wt, bs, "", bias] if bias else [x, wt, bs],
+                                            [out], name=name, domain=MS_DOMAIN))
+            else:
+                xq, sc, zp = self._quantize_input(g, x)
+                per_tensor = self.activations == "per_tensor"
+                y = g.unique(f"{out}_int8_out")
+                if self.op == "MatMulIntegerToFloat":
+                    a_scale = sc if per_tensor else self._consts["int8_unit_scale"]
+                    ins = [xq, wt, a_scale, bs, zp] + (["", bias] if bias and per_tensor else [])
+                    new.append(helper.make_node("MatMulIntegerToFloat", ins, [y], name=name, domain=MS_DOMAIN))
+                    if not per_tensor:  # the per-token scales multiply the kernel's output rows
+                        y2 = g.unique(f"{out}_int8_rows")
+                        new.append(helper.make_node("Mul", [y, sc], [y2], name=g.unique(f"{name}_RowScale")))
+                        y = y2
+                    else:
+                        bias = ""  # added by the kernel
+                else:
+                    acc, accf, s = g.unique(f"{out}_int32"), g.unique(f"{out}_int32_float"), g.unique(f"{out}_scale")
+                    new += [helper.make_node("MatMulInteger", [xq, wt, zp], [acc], name=name),
+                            helper.make_node("Cast", [acc], [accf], name=g.unique(f"{name}_Cast"), to=TensorProto.FLOAT)]
+                    if per_tensor:  # ONNX Runtime fuses this pattern into MatMulIntegerToFloat
+                        new += [helper.make_node("Mul", [sc, bs], [s], name=g.unique(f"{name}_Scales")),
+                                helper.make_node("Mul", [accf, s], [y], name=g.unique(f"{name}_Mul"))]
+                    else:  # rows, then columns: ONNX Runtime 1.32's fusion of Mul(row x column scales) + bias
+                        #     Add into MatMulIntegerToFloat takes the [T, 1] row scales as per-column (wrong)
+                        new += [helper.make_node("Mul", [accf, sc], [s], name=g.unique(f"{name}_RowScale")),
+                                helper.make_node("Mul", [s, bs], [y], name=g.unique(f"{name}_Mul"))]
+                if bias:
+                    new.append(helper.make_node("Add", [y, bias], [out], name=g.unique(f"{name}_Bias")))
+                else:
+                    new[-1].output[0] = out
+            i = g.index(u)
+            g.nodes[i:i + 1] = new
             fired += 1
         g.nodes.remove(dq)
         return fired

@@ -19,6 +19,7 @@ from torch import nn
 from compiler.quant.common import int4_bytes, matches, module_of  # noqa: F401 (re-exported)
 from compiler.quant.fp8 import Fp8Weight
 from compiler.quant.int4 import Int4Weight
+from compiler.quant.int8 import Int8Weight
 
 if TYPE_CHECKING:  # pragma: no cover - compiler.passes imports the passes, which import this module
     from compiler.passes.base import BuildContext
@@ -28,14 +29,16 @@ class QuantizedWeight:
     """One quantized weight: the parameter it replaces and its stored form."""
 
     name: str  # parameter name, e.g. "layers.0.mlp.down_proj.weight" (= the ONNX initializer name)
-    method: str  # rtn | awq | gptq | fp8
-    data: Int4Weight | Fp8Weight
+    method: str  # rtn | awq | gptq | fp8 | int8
+    data: Int4Weight | Fp8Weight | Int8Weight
     kind: Literal["linear", "embedding"] = "linear"
     act_mode: Literal["none", "static", "dynamic"] = "none"  # FP8 activation quantization of the input
     act_scale: float | None = None  # static per-tensor scale of the input
 
     @property
     def scheme(self) -> str:
+        if isinstance(self.data, Int8Weight):
+            return "int8"
         return "int4" if isinstance(self.data, Int4Weight) else "fp8_e4m3"
 
 
@@ -131,7 +134,7 @@ def skipped_modules(model: nn.Module, quantized: dict[str, Any], ignore: tuple[s
             out[n] = "ignore pattern" if matches(n, ignore) else "not quantized"
         elif isinstance(m, nn.Embedding):
             if not embeddings_supported:
-                out[n] = "embedding: weight-only INT4 applies to Linear only"
+                out[n] = "embedding: this method quantizes Linear weights only"
             else:
                 out[n] = "ignore pattern" if matches(n, ignore) else "not quantized"
     return out

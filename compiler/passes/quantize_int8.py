@@ -1,0 +1,142 @@
+"""INT8 W8A8 for ONNX Runtime CPU: int8 weights per output channel, int8 activations computed at run time.
+
+Every Linear but the ignored ones (lm_head by default: the logits are the most sensitive output and
+the vocabulary GEMM the least activation-bound) gets symmetric int8 weights with one scale per
+output row (compiler/quant/int8.py). Activations are quantized dynamically in the graph, per token
+(default: a step's tokens do not share a scale, so a request's output does not depend on what else
+is in its batch) or per tensor (ONNX DynamicQuantizeLinear). lower_quant writes ONNX Runtime's
+integer GEMMs (MatMulIntegerToFloat / DynamicQuantizeMatMul: VNNI / AMX kernels); embeddings and
+the norms stay float (gathers and elementwise ops gain nothing from int8).
+
+`smoothquant_alpha` (optional, needs the recipe's calibration data) migrates activation outliers into
+the weights first: per input channel of q/k/v and of gate/up, s = amax(x)^a / amax(w)^(1-a) from the
+calibration tokens, folded into the RMSNorm before them (the float model is unchanged).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+from compiler.passes.base import BuildContext, Pass
+from compiler.quant.common import matches
+
+if TYPE_CHECKING:  # pragma: no cover
+    from compiler.recipe import Recipe
+
+log = logging.getLogger(__name__)
+
+# (group, RMSNorm before it, the Linears that read the norm's output) in a Llama-family decoder layer
+SMOOTH_GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("qkv", "input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+    ("gate_up", "post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
+)
+
+
+@dataclass(frozen=True)
+class Int8Options:
+    activations: Literal["per_token", "per_tensor"] = "per_token"
+    smoothquant_alpha: float | None = None  # None: no migration; else in [0, 1] (0.5 is SmoothQuant's default)
+    ignore: list[str] = field(default_factory=lambda: ["lm_head"])  # module name patterns kept in float
+
+    def __post_init__(self) -> None:
+        if self.activations not in ("per_token", "per_tensor"):
+            raise ValueError(f"activations must be per_token or per_tensor, got {self.activations!r}")
+        if self.smoothquant_alpha is not None and not 0.0 <= self.smoothquant_alpha <= 1.0:
+            raise ValueError(f"smoothquant_alpha must be in [0, 1], got {self.smoothquant_alpha}")
+
+
+class QuantizeInt8Pass(Pass):
+    """INT8 weights (per channel) and dynamic INT8 activations (per token / per tensor), optional SmoothQuant."""
+
+    name: ClassVar[str] = "quantize_int8"
+    Config = Int8Options
+    requires = ("capture",)
+    summary = "INT8 W8A8: int8 weights per channel, dynamic int8 activations (ONNX Runtime CPU integer GEMMs)"
+    quant_kind: ClassVar[str] = "weights"
+
+    def check_recipe(self, recipe: Recipe) -> tuple[str, str] | None:
+        t = recipe.target
+        if (t.backend, t.device) != ("onnxruntime", "cpu"):
+            return ("name", f"quantize_int8 lowers to ONNX Runtime's CPU integer GEMMs (MatMulIntegerToFloat, "
+                            f"DynamicQuantizeMatMul); target {t.backend}/{t.device} has no such kernels: build "
+                            "it for onnxruntime/cpu, or use quantize_fp8 / an INT4 method for this target")
+        return None
+
+    def estimated_bytes(self, module: str, shape: tuple[int, ...], kind: str | None) -> int | None:
+        """Stored bytes of a checkpoint tensor after this pass (None: left as it is), for the dry run."""
+        if kind != "linear" or matches(module, self.config.ignore):
+            return None
+        return shape[0] * shape[1] + shape[0] * 4
+
+    def needs_calibration(self) -> bool:
+        return self.config.smoothquant_alpha is not None
+
+    def run(self, ctx: BuildContext) -> dict[str, Any]:
+        from compiler.quant import int8
+        from compiler.quant.state import (
+            QuantizedWeight,
+            begin,
+            quant_state,
+            skipped_modules,
+            stats_for,
+            target_linears,
+            write_weight,
+        )
+
+        c = self.config
+        model = begin(ctx, self.name)
+        st = quant_state(ctx)
+        targets = target_linears(model, c.ignore)
+        extra: dict[str, Any] = {}
+        if c.smoothquant_alpha is not None:
+            extra = self._smooth(ctx, model, targets, c.smoothquant_alpha)
+        for name, lin in targets.items():
+            q = int8.quantize_weight(lin.weight, c.activations)
+            write_weight(lin, q.dequantize())
+            st.weights[f"{name}.weight"] = QuantizedWeight(f"{name}.weight", "int8", q)
+        st.weight_method = self.name
+        log.info("quantize_int8: %d Linear weights to INT8, activations %s", len(targets), c.activations)
+        return {"method": "int8", "bits": 8, "weights": "per_channel symmetric", "activations": c.activations,
+                "smoothquant_alpha": c.smoothquant_alpha, **extra,
+                **stats_for(st, model, skipped_modules(model, st.weights, c.ignore))}
+
+    def _smooth(self, ctx: BuildContext, model: Any, targets: dict[str, Any], alpha: float) -> dict[str, Any]:
+        """Fold SmoothQuant scales into each layer's norms and Linears, layer by layer on calibration data."""
+        import torch
+
+        from compiler.quant import int8
+        from compiler.quant.awq import ScaleGroup, apply_scale
+        from compiler.quant.calibration import LayerRunner, load_calibration
+        from compiler.quant.state import progress_done, progress_task
+
+        cal = load_calibration(ctx, self.name)
+        runner = LayerRunner(model, cal.samples)
+        bar, task = progress_task(ctx, "smoothquant", len(model.layers))
+        migration: dict[str, float] = {}
+        for i, layer in enumerate(model.layers):
+            prefix = f"layers.{i}"
+            first = {g[2][0]: layer.get_submodule(g[2][0]) for g in SMOOTH_GROUPS}
+            amax: dict[str, torch.Tensor] = {}
+
+            def sink(n: str, x: torch.Tensor, amax: dict[str, torch.Tensor] = amax) -> None:
+                m = x.abs().amax(dim=0)
+                amax[n] = m if n not in amax else torch.maximum(amax[n], m)
+
+            runner.capture(i, first, sink=sink)
+            for gname, norm, consumers in SMOOTH_GROUPS:
+                if not any(f"{prefix}.{n}" in targets for n in consumers):
+                    continue
+                linears = [layer.get_submodule(n) for n in consumers]
+                w_amax = torch.stack([lin.weight.detach().abs().amax(dim=0).to(torch.float32) for lin in linears]
+                                     ).amax(dim=0)
+                s = int8.smooth_scales(amax[consumers[0]], w_amax, alpha)
+                apply_scale(ScaleGroup(f"{prefix}.{gname}", layer.get_submodule(norm), linears,
+                                       [True] * len(linears), [], lambda b, x: x), s)
+                migration[f"{prefix}.{gname}"] = float(f"{float(s.max() / s.min()):.6g}")
+            runner.advance(i)
+            if bar is not None:
+                bar.advance(task)
+        progress_done(bar, task)
+        return {"calibration": cal.record, "smoothquant_scale_spread": dict(sorted(migration.items()))}
