@@ -41,7 +41,7 @@
 #define OP_NAME "PagedAttention"
 #define KC 16          /* key positions per chunk */
 #define ROWS_TARGET 64 /* query rows (tokens x group heads) per work item, at most */
-#define INLINE_WORK (1 << 22) /* multiply-adds below which a step runs without the thread pool */
+#define INLINE_WORK (1 << 18) /* multiply-adds below which a step runs without the thread pool */
 
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && !defined(OPTIMIZE_NO_CLONES)
 #define HOT_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
