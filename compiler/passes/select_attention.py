@@ -30,12 +30,12 @@ from compiler.passes.base import BuildContext, BuildError, Pass
 log = logging.getLogger(__name__)
 
 # Autotune off: the first valid variant of the target's list. On CPU the C kernel (paged_cpu) reads the
-# pools in place and scores no token against another sequence's: on the demo (2 shared cores, the
-# autotuner's one-layer model, candidates interleaved run by run) it served a request in 114 ms against
-# 180 ms (decomposed) and 258 ms (GroupQueryAttention, which also copies the gathered past into its
-# present output), prefill 512 in 45 ms against 108 and 62 ms; on llama-110m's dimensions 560 against
-# 753 and 831 ms. It is valid only where the package built its library; then the decomposed path (what
-# a build without this pass gets). On CUDA the paged kernels read the pool in place (the decomposed path
+# pools in place and scores no token against another sequence's. The autotuner's one-layer model, on a
+# quiet 2-core machine, scored (ms per request) 22.9 against 25.6 (decomposed) and 28.2
+# (GroupQueryAttention, which also copies the gathered past into its present output) on the demo, and
+# 141 against 154 and 160 on llama-110m's dimensions; on the same machine loaded by other processes 114
+# against 180 and 258 (demo). It is valid only where the package built its library; then the
+# decomposed path (what a build without this pass gets). On CUDA the paged kernels read the pool in place (the decomposed path
 # gathers every token's whole padded past: [T, kv_heads, max_blocks * block_size, head_dim] per layer).
 RULES: dict[tuple[str, str], tuple[str, ...]] = {
     ("onnxruntime", "cpu"): ("paged_cpu", "decomposed", "gqa"),
