@@ -83,3 +83,20 @@ def test_forcing_the_kernel_on_a_gpu_target_is_refused(tmp_path: Path) -> None:
                           dtype="float16")
     with pytest.raises(BuildError, match="paged_cpu.*CPU execution provider only"):
         build(recipe, progress=False)
+
+
+def test_the_cpu_backend_runs_without_onnxruntime_s_arena_unless_asked(demo_artifact: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """No CPU arena by default (a long prefill's buffers are returned after the step); OPTIMIZE_ORT_ARENA=1
+    turns it back on. Both generate the same greedy tokens."""
+    out = {}
+    for env in ("", "1"):
+        monkeypatch.setenv("OPTIMIZE_ORT_ARENA", env)
+        engine = LLMEngine(demo_artifact)
+        assert engine.backend.session.get_session_options().enable_cpu_mem_arena is (env == "1")
+        engine.add_request("a", list(range(3, 60)), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+        while engine.has_unfinished():
+            for o in engine.step():
+                if o.finished:
+                    out[env] = o.token_ids
+    assert out[""] == out["1"] and len(out[""]) == 8
