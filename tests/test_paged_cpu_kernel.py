@@ -12,8 +12,6 @@ other pool entry untouched. The same cases run with the work split over ONNX Run
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import onnxruntime as ort
 import pytest
@@ -140,14 +138,14 @@ def test_kernel_matches_reference_and_writes_the_pools(case: dict, threads: int,
                float(scale), threads)
 
 
-def test_long_prefill_and_large_decode_batch_through_the_thread_pool() -> None:
+def test_long_prefill_and_large_decode_batch_through_the_thread_pool(monkeypatch: pytest.MonkeyPatch) -> None:
     """Shapes of a real server step: a 300-token prefill beside 24 decode tokens at up to 500 past,
     head_dim 64, GQA 12/4, split over two threads by the default threshold."""
     rng = np.random.default_rng(7)
     pasts = [0] + rng.integers(1, 500, 24).tolist()
     news = [300] + [1] * 24
     feeds = make_step(rng, pasts, news, 16, 4, 64, 12)
-    os.environ.pop("OPTIMIZE_PAGED_CPU_INLINE_WORK", None)
+    monkeypatch.delenv("OPTIMIZE_PAGED_CPU_INLINE_WORK", raising=False)
     check_step(feeds, 12, 4, 64, 16, -1, 0.125, threads=2)
 
 

@@ -104,14 +104,11 @@ class OnnxRuntimeBackend:
 
     def forward(self, batch: ForwardBatch) -> np.ndarray:
         """Run one step: returns logits [len(logits_index), vocab] float32 and writes the step's K/V."""
-        if self.kv_in_graph:
-            # the attention node writes this step's K/V through the table: every block up to the last token
-            ends = batch.past_lens + np.diff(batch.cu_seqlens)
-            past_blocks = max(1, -(-int(ends.max(initial=0)) // self.block_size))
-        else:
-            # The graph reads block_table only for the past (cached) tokens; this step's own K/V come
-            # from the step itself. Trimming the table to the past blocks keeps the gather minimal.
-            past_blocks = max(1, -(-int(batch.past_lens.max(initial=0)) // self.block_size))
+        # The table is trimmed to the blocks the graph reads: the past (cached) tokens' when the step's own
+        # K/V come from the step itself, up to each sequence's last token when the attention node writes
+        # them through the table (kv_in_graph).
+        ends = batch.past_lens + np.diff(batch.cu_seqlens) if self.kv_in_graph else batch.past_lens
+        past_blocks = max(1, -(-int(ends.max(initial=0)) // self.block_size))
         feeds = {
             "input_ids": batch.input_ids,
             "positions": batch.positions,

@@ -28,7 +28,6 @@
  * sequence longer than its table, or shapes that disagree return an error status (ONNX Runtime raises
  * it as an exception in the caller) and leave the pools untouched.
  */
-#include <float.h>
 #include <limits.h>
 #include <math.h>
 #include <stdio.h>
@@ -347,7 +346,7 @@ static OrtStatus *compute(void *op_kernel, OrtKernelContext *ctx) {
     if (BS <= 0) FAIL("block_size must be positive");
     const int32_t *cu = (const int32_t *)in[5].data, *past = (const int32_t *)in[6].data;
     const int32_t *bt = (const int32_t *)in[7].data;
-    if (B >= 0 && cu[0] != 0) FAIL("cu_seqlens must start at 0");
+    if (cu[0] != 0) FAIL("cu_seqlens must start at 0");
     if (cu[B] != T) FAIL("cu_seqlens must end at the number of tokens (%lld)", (long long)T);
     int64_t work = 0;
     for (int64_t b = 0; b < B; b++) {
