@@ -134,7 +134,8 @@ def test_random_model_fusion_counts(random_pair: tuple[str, Path, Path, Path, di
     layers = 2
     norms = 2 * layers + 1 + (2 * layers if variant == "qwen3-qknorm" else 0)  # + q_norm/k_norm per layer
     assert stats["fusions"] == {"rms_norm": norms, "skip_rms_norm": 2 * layers - 1, "qkv": layers,
-                                "gate_up": layers, "rotary": 2 * layers, "quick_gelu": layers}
+                                "gate_up": layers, "rotary": 2 * layers, "rotary_attention": 0,
+                                "quick_gelu": layers, "quantize_rows": 0}  # rotary_attention: paged_cpu graphs only (test_paged_cpu_build)
     assert "not_fused" not in stats
     ops = stats["op_types"]
     assert ops["com.microsoft.RotaryEmbedding"] == 2 * layers
@@ -188,6 +189,52 @@ def test_int4_fused_matches_unfused(tmp_path: Path) -> None:
     assert greedy(fused, prompts) == greedy(unfused, prompts, verify=False)
 
 
+def test_int8_projections_fuse_exactly(tmp_path: Path) -> None:
+    """W8A8 (MatMulIntegerToFloat, per-token activations) with q/k/v biases: the fused projections compute
+    the same integer dot products and scale them by the same numbers, so logits agree to float rounding."""
+    ckpt = make_random_checkpoint(tmp_path / "ckpt", "Qwen2ForCausalLM", seed=23)
+    randomize_biases(ckpt, seed=5)
+    passes = ("  - name: select_attention\n    options: {kernel: paged_cpu}\n  - name: capture\n"
+              "  - name: quantize_int8\n    options: {activations: per_token, ignore: [lm_head]}\n"
+              "  - name: lower_onnx\n  - name: lower_quant\n  - name: fuse\n    options: {rules: [qkv, gate_up]}\n"
+              "  - name: package\n")
+    fused = build_both(write_recipe(tmp_path, ckpt, name="int8", passes=passes), tmp_path / "unfused")
+    stats = fuse_stats(fused)
+    assert stats["fusions"]["qkv"] == 2 and stats["fusions"]["gate_up"] == 2
+    assert stats["op_types"]["com.microsoft.MatMulIntegerToFloat"] == 2 * 2 + 2 * 2  # fused qkv, gate_up + o, down
+    model = onnx.load(fused / "model.onnx", load_external_data=False)
+    split = next(n for n in model.graph.node if n.op_type == "Split" and "qkv_proj" in n.name)
+    bias = next(n for n in model.graph.node if n.output[0] == split.input[0])
+    assert bias.op_type == "Add"  # the three biases, concatenated, after the one row-scale Mul
+    ids = prompts_of([70], seed=1)[0]
+    cuts = [13, 40, 41, 70]
+    got = chunked_logits(LLMEngine(fused), ids, cuts)
+    base = chunked_logits(LLMEngine(tmp_path / "unfused", verify=False), ids, cuts)
+    assert np.abs(got - base).max() < 1e-5
+    prompts = prompts_of([5, 33, 64], seed=4)
+    assert greedy(fused, prompts) == greedy(tmp_path / "unfused", prompts, verify=False)
+
+
+def test_int8_row_quantization_as_one_node_is_exact(tmp_path: Path) -> None:
+    """optimize.QuantizeRows computes the codes and scales of the six nodes it replaces with the same float
+    operations: the logits are identical, not merely close."""
+    ckpt = make_random_checkpoint(tmp_path / "ckpt", "LlamaForCausalLM", seed=25)
+    passes = ("  - name: select_attention\n    options: {kernel: paged_cpu}\n  - name: capture\n"
+              "  - name: quantize_int8\n    options: {activations: per_token, ignore: [lm_head]}\n"
+              "  - name: lower_onnx\n  - name: lower_quant\n  - name: fuse\n    options: {rules: [quantize_rows]}\n"
+              "  - name: package\n")
+    fused = build_both(write_recipe(tmp_path, ckpt, name="int8rows", passes=passes), tmp_path / "unfused")
+    stats = fuse_stats(fused)
+    assert stats["fusions"]["quantize_rows"] == 2 * 4  # per layer: the q/k/v input, o_proj's, gate/up's, down's
+    assert stats["op_types"]["optimize.QuantizeRows"] == 8
+    assert not {"Abs", "ReduceMax", "QuantizeLinear", "Div"} & set(stats["op_types"])
+    ids = prompts_of([70], seed=1)[0]
+    cuts = [13, 40, 41, 70]
+    got = chunked_logits(LLMEngine(fused), ids, cuts)
+    base = chunked_logits(LLMEngine(tmp_path / "unfused", verify=False), ids, cuts)
+    np.testing.assert_array_equal(got, base)
+
+
 # -- the demo model, through the build -------------------------------------------------------------
 
 
@@ -208,7 +255,7 @@ def test_demo_fusion_stats_in_manifest(demo_pair: tuple[Path, Path]) -> None:
     # 6 layers: 13 RMSNorms (2 per layer + final), 11 of them after a residual Add (all but layer 0's
     # input norm and the final norm, which reads the logits rows), q and k rotated in each layer.
     assert stats["fusions"] == {"rms_norm": 13, "skip_rms_norm": 11, "qkv": 6, "gate_up": 6, "rotary": 12,
-                                "quick_gelu": 6}
+                                "rotary_attention": 0, "quick_gelu": 6, "quantize_rows": 0}
     assert stats["rules"] == list(RULES) and stats["disabled"] == []
     assert stats["nodes_before"] > stats["nodes_after"]
     assert stats["op_types"]["SimplifiedLayerNormalization"] == 2
@@ -264,12 +311,13 @@ def test_fuse_options_in_recipe(tmp_path: Path) -> None:
     from compiler.passes.fuse import FuseOptions
     from compiler.recipe import RecipeError
 
-    assert FuseOptions(disable=["rotary"]).enabled() == ["rms_norm", "skip_rms_norm", "qkv", "gate_up", "quick_gelu"]
+    assert FuseOptions(disable=["rotary"]).enabled() == ["rms_norm", "skip_rms_norm", "qkv", "gate_up", "rotary_attention",
+                                                      "quick_gelu", "quantize_rows"]
     assert FuseOptions(rules=["qkv", "rotary"]).enabled() == ["qkv", "rotary"]
     ok = write_recipe(tmp_path, DEMO_MODEL, name="ok", passes=(
         "  - name: capture\n  - name: lower_onnx\n  - name: fuse\n    options: {disable: [rotary]}\n"
         "  - name: package\n"))
-    assert plan(ok).passes[2].config.enabled()[-1] == "quick_gelu"
+    assert plan(ok).passes[2].config.enabled()[-1] == "quantize_rows"
     bad = write_recipe(tmp_path, DEMO_MODEL, name="bad", passes=(
         "  - name: capture\n  - name: lower_onnx\n  - name: fuse\n    options: {rules: [qkv, swiglu]}\n"
         "  - name: package\n"))

@@ -198,3 +198,164 @@ def test_a_graph_with_the_op_does_not_load_without_the_library() -> None:
     """The op exists only through the library: ONNX Runtime alone refuses the graph."""
     with pytest.raises(Exception, match="PagedAttention"):
         ort.InferenceSession(op_model(4, 2, 16, 0.25, -1), providers=["CPUExecutionProvider"])
+
+
+# ---- optimize.RotaryPagedAttention: the same kernel on the packed QKV, rotating q and k itself -------------
+
+
+def rope_model(num_heads: int, kv_heads: int, head_dim: int, scale: float, window: int, rotary_dim: int,
+               interleaved: int) -> bytes:
+    node = helper.make_node("RotaryPagedAttention", ["qkv", "pos", "cos", "sin", "kc", "vc", "cu", "past", "bt"],
+                            ["o"], domain=pk.DOMAIN, num_heads=num_heads, kv_num_heads=kv_heads, scale=scale,
+                            local_window_size=window, rotary_embedding_dim=rotary_dim, interleaved=interleaved)
+    f = helper.make_tensor_value_info
+    inputs = [f("qkv", TensorProto.FLOAT, ["T", (num_heads + 2 * kv_heads) * head_dim]),
+              f("pos", TensorProto.INT64, ["T"]),
+              f("cos", TensorProto.FLOAT, ["P", "R2"]), f("sin", TensorProto.FLOAT, ["P", "R2"]),
+              f("kc", TensorProto.FLOAT, ["NB", "BS", kv_heads, head_dim]),
+              f("vc", TensorProto.FLOAT, ["NB", "BS", kv_heads, head_dim]),
+              f("cu", TensorProto.INT32, ["B1"]), f("past", TensorProto.INT32, ["B"]),
+              f("bt", TensorProto.INT32, ["B", "MB"])]
+    graph = helper.make_graph([node], "rope_paged", inputs,
+                              [f("o", TensorProto.FLOAT, ["T", num_heads * head_dim])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(pk.DOMAIN, 1)])
+    return model.SerializeToString()
+
+
+def rotate(x: np.ndarray, heads: int, pos: np.ndarray, cos: np.ndarray, sin: np.ndarray, rotary_dim: int,
+           interleaved: int) -> np.ndarray:
+    """x [T, heads * D] with each head's first rotary_dim dims turned by row pos[t] of the caches (float64)."""
+    t = x.shape[0]
+    h = x.reshape(t, heads, x.shape[1] // heads).astype(np.float64)
+    out = h.copy()
+    c, s = cos[pos][:, None, :].astype(np.float64), sin[pos][:, None, :].astype(np.float64)
+    half = rotary_dim // 2
+    if interleaved:
+        a, b = h[..., 0:rotary_dim:2], h[..., 1:rotary_dim:2]
+        out[..., 0:rotary_dim:2], out[..., 1:rotary_dim:2] = a * c - b * s, b * c + a * s
+    else:
+        a, b = h[..., :half], h[..., half:rotary_dim]
+        out[..., :half], out[..., half:rotary_dim] = a * c - b * s, b * c + a * s
+    return out.reshape(x.shape).astype(np.float32)
+
+
+@st.composite
+def rope_steps(draw: st.DrawFn) -> dict:
+    case = draw(steps())
+    d = case["head_dim"]
+    case["rotary_dim"] = draw(st.sampled_from([0, d, d // 2 // 2 * 2]))  # 0: the whole head
+    case["interleaved"] = draw(st.sampled_from([0, 1]))
+    return case
+
+
+@pytest.mark.parametrize("threads", [1, 2], ids=["inline", "thread_pool"])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=rope_steps())
+def test_rotary_kernel_matches_rotation_then_reference(case: dict, threads: int,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """RotaryPagedAttention(qkv) == PagedAttention reference on (rotate(q), rotate(k), v), and the pools hold
+    rotate(k) and v at the step's slots. Positions are drawn apart from the slots (the rotation reads
+    `positions`, the write follows past_lens), so a mixed-up row shows."""
+    monkeypatch.setenv("OPTIMIZE_PAGED_CPU_INLINE_WORK", "0" if threads > 1 else str(1 << 62))
+    rng = np.random.default_rng(case["seed"])
+    heads, kvh, d = case["num_heads"], case["kv_heads"], case["head_dim"]
+    scale = float(case["scale"] or 1.0 / np.sqrt(d))
+    r = case["rotary_dim"] or d
+    feeds = make_step(rng, case["pasts"], case["news"], case["block_size"], kvh, d, heads)
+    t = feeds["q"].shape[0]
+    rows = 150
+    angles = rng.uniform(0, 2 * np.pi, (rows, r // 2))
+    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    pos = rng.integers(0, rows, t).astype(np.int64)
+    rotated = dict(feeds, q=rotate(feeds["q"], heads, pos, cos, sin, r, case["interleaved"]),
+                   k=rotate(feeds["k"], kvh, pos, cos, sin, r, case["interleaved"]))
+    want = reference(rotated, heads, kvh, case["window"], scale)
+    kc0, vc0 = feeds["kc"].copy(), feeds["vc"].copy()
+    sess_opts = ort.SessionOptions()
+    sess_opts.intra_op_num_threads = threads
+    pk.register(sess_opts)
+    sess = ort.InferenceSession(rope_model(heads, kvh, d, scale, case["window"], case["rotary_dim"],
+                                           case["interleaved"]), sess_opts, providers=["CPUExecutionProvider"])
+    rope_feeds = {"qkv": np.concatenate([feeds["q"], feeds["k"], feeds["v"]], axis=1), "pos": pos, "cos": cos,
+                  "sin": sin, **{n: feeds[n] for n in ("kc", "vc", "cu", "past", "bt")}}
+    got = sess.run(None, rope_feeds)[0]
+    err = np.abs(got - want).max(initial=0.0) / max(1.0, float(np.abs(want).max(initial=0.0)))
+    assert err < TOL, f"max relative error {err:.3g}"
+    slots = written_slots(feeds, case["block_size"])
+    for pool, before, new in ((feeds["kc"], kc0, rotated["k"]), (feeds["vc"], vc0, feeds["v"])):
+        flat, flat0 = pool.reshape(-1, kvh * d), before.reshape(-1, kvh * d)
+        np.testing.assert_allclose(flat[slots], new, rtol=0, atol=1e-5)
+        keep = np.setdiff1d(np.arange(flat.shape[0]), slots)
+        np.testing.assert_array_equal(flat[keep], flat0[keep])
+
+
+def test_rotary_kernel_refuses_positions_outside_the_cache_before_any_write() -> None:
+    rng = np.random.default_rng(4)
+    feeds = make_step(rng, [5, 20], [3, 1], 4, 2, 16, 4)
+    cos = np.ones((8, 8), np.float32)
+    rope_feeds = {"qkv": np.concatenate([feeds["q"], feeds["k"], feeds["v"]], axis=1),
+                  "pos": np.array([5, 6, 7, 8], np.int64), "cos": cos, "sin": cos.copy(),
+                  **{n: feeds[n] for n in ("kc", "vc", "cu", "past", "bt")}}
+    kc0 = feeds["kc"].copy()
+    so = ort.SessionOptions()
+    pk.register(so)
+    sess = ort.InferenceSession(rope_model(4, 2, 16, 0.25, -1, 0, 0), so, providers=["CPUExecutionProvider"])
+    with pytest.raises(Exception, match="position 8 of token 3 is outside the rotary cache of 8 rows"):
+        sess.run(None, rope_feeds)
+    np.testing.assert_array_equal(feeds["kc"], kc0)
+    rope_feeds["pos"][3] = 7
+    rope_feeds["cos"] = np.ones((8, 4), np.float32)  # half of the 16 the head needs
+    with pytest.raises(Exception, match=r"cos_cache must be \[rows, rotary_embedding_dim / 2 = 8\]"):
+        sess.run(None, rope_feeds)
+    np.testing.assert_array_equal(feeds["kc"], kc0)
+
+
+# ---- optimize.QuantizeRows: the per-token INT8 activation quantization as one node -------------------------
+
+
+def six_node_quantization() -> bytes:
+    """The graph compiler/quant/onnx_rules.py writes for per-token activations (the reference)."""
+    from onnx import numpy_helper
+
+    c = numpy_helper.from_array
+    inits = [c(np.array([-1], np.int64), "axes"), c(np.array(1 / 127, np.float32), "inv"),
+             c(np.array(1e-12, np.float32), "tiny"), c(np.array(1.0, np.float32), "one"),
+             c(np.array(128, np.uint8), "zp")]
+    nodes = [helper.make_node("Abs", ["x"], ["a"]), helper.make_node("ReduceMax", ["a", "axes"], ["m"], keepdims=1),
+             helper.make_node("Mul", ["m", "inv"], ["sd"]), helper.make_node("Max", ["sd", "tiny"], ["s"]),
+             helper.make_node("Div", ["x", "s"], ["xs"]), helper.make_node("QuantizeLinear", ["xs", "one", "zp"], ["q"])]
+    f = helper.make_tensor_value_info
+    graph = helper.make_graph(nodes, "rows", [f("x", TensorProto.FLOAT, ["T", "K"])],
+                              [f("q", TensorProto.UINT8, ["T", "K"]), f("s", TensorProto.FLOAT, ["T", 1])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]).SerializeToString()
+
+
+def quantize_rows_model() -> bytes:
+    node = helper.make_node("QuantizeRows", ["x"], ["q", "s"], domain=pk.DOMAIN)
+    f = helper.make_tensor_value_info
+    graph = helper.make_graph([node], "rows", [f("x", TensorProto.FLOAT, ["T", "K"])],
+                              [f("q", TensorProto.UINT8, ["T", "K"]), f("s", TensorProto.FLOAT, ["T", 1])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(pk.DOMAIN, 1)])
+    return model.SerializeToString()
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(0, 300), cols=st.sampled_from([1, 7, 16, 33, 768, 3000]),
+       magnitude=st.sampled_from([1e-30, 1e-3, 1.0, 1e4]), zero_rows=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_quantize_rows_equals_the_six_nodes_it_replaces(rows: int, cols: int, magnitude: float, zero_rows: bool,
+                                                        seed: int) -> None:
+    """Codes and scales bit for bit, on rows small and large enough for the thread pool, all-zero rows
+    (the 1e-12 floor), tiny and large magnitudes, and values exactly half-way between codes."""
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((rows, cols)) * magnitude).astype(np.float32)
+    if zero_rows and rows:
+        x[rng.integers(0, rows, max(1, rows // 4))] = 0.0
+    if rows and cols > 2:  # a row whose scale is exactly 1/127 * 127 = 1: halves round to even
+        x[0, :3] = [127.0, 0.5, -2.5]
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 2
+    pk.register(so)
+    got = ort.InferenceSession(quantize_rows_model(), so, providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    want = ort.InferenceSession(six_node_quantization(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    np.testing.assert_array_equal(got[1], want[1])
+    np.testing.assert_array_equal(got[0], want[0])

@@ -34,10 +34,12 @@ LOGITS_TOL = 1e-3
 VARIANT_IDS = ["llama", "mistral", "qwen2", "qwen3", "mistral-sliding"]
 # every architecture on both CPU targets: ONNX Runtime (model.onnx) and torch (the torch.export program)
 BACKENDS = ["onnxruntime", "torch"]
-# ... and ONNX Runtime with the C paged-attention kernel (select_attention kernel: paged_cpu)
+# ... and ONNX Runtime with the C paged-attention kernel (select_attention kernel: paged_cpu), fused: the
+# rotary_attention rule hands the packed QKV to optimize.RotaryPagedAttention where the layer allows
+# (Qwen3's per-head q/k norm sits between the split and the rotation: it keeps optimize.PagedAttention)
 TARGETS = ["onnxruntime", "onnxruntime-paged_cpu", "torch"]
 PAGED_CPU_PASSES = ("  - name: select_attention\n    options: {kernel: paged_cpu}\n  - name: capture\n"
-                    "  - name: lower_onnx\n  - name: package\n")
+                    "  - name: lower_onnx\n  - name: fuse\n  - name: package\n")
 
 
 @pytest.fixture(scope="module", params=[(v, b) for b in TARGETS for v in range(len(VARIANTS))],
@@ -54,8 +56,11 @@ def random_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
         recipe = write_recipe(folder, ckpt, name=arch.lower(), backend=target)
     artifact = build(recipe, progress=False)
     if target == "onnxruntime-paged_cpu":
-        kernels = json.loads((artifact / "manifest.json").read_text())["kernels"]
-        assert kernels["attention"]["variant"] == "paged_cpu"
+        manifest = json.loads((artifact / "manifest.json").read_text())
+        assert manifest["kernels"]["attention"]["variant"] == "paged_cpu"
+        fuse = next(p for p in manifest["passes"] if p["name"] == "fuse")["stats"]
+        layers = json.loads((artifact / "runtime.json").read_text())["model"]["num_layers"]
+        assert fuse["fusions"]["rotary_attention"] == (0 if arch == "Qwen3ForCausalLM" else layers)
     return ckpt, artifact
 
 

@@ -10,7 +10,12 @@ Rules, in the order they run (each can be turned off):
 | `qkv`           | q/k/v projections of one input -> one Gemm/MatMul/MatMulNBits + Split | fusion/projections.py |
 | `gate_up`       | gate/up projections -> one node + Split                     | fusion/projections.py          |
 | `rotary`        | rotate-half RoPE -> com.microsoft.RotaryEmbedding + cos/sin caches | fusion/rotary.py        |
+| `rotary_attention` | Split + RotaryEmbedding + optimize.PagedAttention          | fusion/attention.py            |
+|                 |   -> optimize.RotaryPagedAttention on the packed QKV (paged_cpu graphs; drops the graph's |  |
+|                 |   new_key/new_value outputs, which the kernel writes into the pools itself) |                |
 | `quick_gelu`    | x * Sigmoid(x) -> com.microsoft.QuickGelu(alpha=1)          | fusion/activation.py           |
+| `quantize_rows` | per-token INT8 activation quantization (6 nodes)            | fusion/quantize_rows.py        |
+|                 |   -> optimize.QuantizeRows (graphs that use the C library)  |                                |
 
 `fuse_model` applies them and returns the new model with statistics. Everything is deterministic:
 rules visit nodes in graph order, new names derive from existing ones (`Graph.unique`), caches are
@@ -24,7 +29,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # pragma: no cover
     import onnx
 
-RULES: tuple[str, ...] = ("rms_norm", "skip_rms_norm", "qkv", "gate_up", "rotary", "quick_gelu")
+RULES: tuple[str, ...] = ("rms_norm", "skip_rms_norm", "qkv", "gate_up", "rotary", "rotary_attention", "quick_gelu",
+                          "quantize_rows")
 
 
 def fuse_model(model: onnx.ModelProto, rules: Any, rope_cache_rows: int) -> tuple[onnx.ModelProto, dict[str, Any]]:

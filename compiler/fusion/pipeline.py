@@ -22,7 +22,9 @@ IMPLEMENTATION = {
     "qkv": "compiler/fusion/projections.py",
     "gate_up": "compiler/fusion/projections.py",
     "rotary": "compiler/fusion/rotary.py",
+    "rotary_attention": "compiler/fusion/attention.py (optimize.RotaryPagedAttention, runtime/kernels/paged_attention_cpu.c)",
     "quick_gelu": "compiler/fusion/activation.py",
+    "quantize_rows": "compiler/fusion/quantize_rows.py (optimize.QuantizeRows, runtime/kernels/paged_attention_cpu.c)",
 }
 # ONNX Runtime registers SimplifiedLayerNormalization in the default domain (opset 1): onnx's
 # checker does not know it, so the standard check treats it as a contrib op (see check_model).
@@ -72,7 +74,9 @@ def fuse_model(model: onnx.ModelProto, rules: Sequence[str], rope_cache_rows: in
         model = _onnxscript_rules(model, enabled, reports)
     g = FusionGraph(model)
     from compiler.fusion.activation import fuse_quick_gelu
+    from compiler.fusion.attention import fuse_rotary_attention
     from compiler.fusion.projections import fuse_projections
+    from compiler.fusion.quantize_rows import fuse_quantize_rows
     from compiler.fusion.rotary import fuse_rotary
 
     for rule in ("qkv", "gate_up"):
@@ -80,14 +84,21 @@ def fuse_model(model: onnx.ModelProto, rules: Sequence[str], rope_cache_rows: in
             reports[rule] = fuse_projections(g, rule)
     if "rotary" in enabled:
         reports["rotary"] = fuse_rotary(g, rope_cache_rows)
+    dropped: list[str] = []
+    if "rotary_attention" in enabled:
+        reports["rotary_attention"], dropped = fuse_rotary_attention(g)
     if "quick_gelu" in enabled:
         reports["quick_gelu"] = fuse_quick_gelu(g)
+    if "quantize_rows" in enabled:
+        reports["quantize_rows"] = fuse_quantize_rows(g)
     _drop_unused_optional_outputs(g)
     g.remove_dead()
     if any(n.domain == MS_DOMAIN for n in g.nodes):
         g.ensure_opset(MS_DOMAIN, 1)
     g.commit()
-    if ([i.name for i in model.graph.input], [o.name for o in model.graph.output]) != io_before:
+    # the only change to the interface a rule may make: rotary_attention drops the new K/V outputs
+    if ([i.name for i in model.graph.input], [o.name for o in model.graph.output]) != \
+            (io_before[0], [o for o in io_before[1] if o not in dropped]):
         raise AssertionError("fusion changed the graph inputs or outputs")  # pragma: no cover
     ops = Counter((f"{n.domain}." if n.domain not in ("", "ai.onnx") else "") + n.op_type for n in model.graph.node)
     stats: dict[str, Any] = {
@@ -103,6 +114,8 @@ def fuse_model(model: onnx.ModelProto, rules: Sequence[str], rope_cache_rows: in
     not_fused = {r: dict(sorted(reports[r].not_fused.items())) for r in RULES if reports[r].not_fused}
     if not_fused:
         stats["not_fused"] = not_fused
+    if dropped:
+        stats["outputs_dropped"] = dropped
     if "rotary" in enabled and reports["rotary"].fired:
         stats["rotary_cache_rows"] = rope_cache_rows
     return model, stats

@@ -3,7 +3,8 @@
 Rules (compiler/fusion/, one module per family; all on by default): `rms_norm`
 (SimplifiedLayerNormalization), `skip_rms_norm` (com.microsoft.SkipSimplifiedLayerNormalization),
 `qkv` and `gate_up` (one Gemm / MatMul / MatMulNBits + Split), `rotary`
-(com.microsoft.RotaryEmbedding with cos/sin caches of max_model_len rows), `quick_gelu`
+(com.microsoft.RotaryEmbedding with cos/sin caches of max_model_len rows), `rotary_attention`
+(optimize.RotaryPagedAttention on the packed QKV, paged_cpu graphs), `quick_gelu`
 (com.microsoft.QuickGelu for SiLU). Options: `rules: [...]` (the set to run) or `disable: [...]`.
 
 Stats (manifest): rules run, how often each fired (`fusions`), candidates left alone and why

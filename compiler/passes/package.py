@@ -37,6 +37,9 @@ def runtime_config(ctx: BuildContext) -> dict[str, Any]:
     cfg = ctx.checkpoint.config
     rt = ctx.recipe.runtime
     inputs, outputs = graph_io_names(cfg.num_layers)
+    onnx_model = ctx.artifacts.get("onnx")
+    if onnx_model is not None and ctx.recipe.target.backend == "onnxruntime":
+        outputs = [o.name for o in onnx_model.graph.output]  # the fuse rule rotary_attention drops new K/V
     return {
         "backend": ctx.recipe.target.backend,
         "device": ctx.recipe.target.device,

@@ -24,6 +24,26 @@
  * for a fork/join runs inline. The hot function is compiled for x86-64-v4 (AVX-512), v3 (AVX2 + FMA)
  * and baseline x86-64, chosen at load by the CPU (GCC target_clones).
  *
+ * The second op, optimize.RotaryPagedAttention, takes the QKV projection's output as it is and applies the
+ * rotary embedding itself (what ONNX Runtime's RotaryEmbedding computes), so that a decoder layer's
+ * attention is one node from the fused QKV Gemm to o_proj (compiler/fusion/attention.py writes it):
+ *
+ *   inputs   qkv [T, (H + 2*KVH)*D]                   q | k | v of this step's tokens (before RoPE)
+ *            positions int64 [T]                       each token's position (the rotation's row)
+ *            cos_cache, sin_cache [P, R/2]              R = rotary_embedding_dim (0: D)
+ *            key_cache, value_cache, cu_seqlens, past_lens, block_table   as above
+ *   attrs    those above + rotary_embedding_dim, interleaved (0: rotate-half pairs (i, i + R/2); 1: (2i, 2i+1))
+ *   output   [T, H*D]
+ *
+ * K is rotated on its way into the pool and Q on its way into a work item's scratch; dimensions from R
+ * on pass through unrotated. No [T, H*D] copy of the rotated queries is made.
+ *
+ * The third op, optimize.QuantizeRows, is the per-token activation quantization of INT8 W8A8 graphs
+ * (compiler/quant/onnx_rules.py writes it as Abs, ReduceMax, Mul(1/127), Max(1e-12), Div, QuantizeLinear;
+ * compiler/fusion/quantize_rows.py replaces those six nodes with it): x [.., K] float32 ->
+ * codes uint8 [.., K] = saturate(round_half_even(x / s) + 128), scale [.., 1] = max(amax(|x|) * (1/127), 1e-12),
+ * the same float operations in the same order, so the codes are the ones the six nodes give.
+ *
  * Every index is validated before anything is written: a block table entry outside the pool, a
  * sequence longer than its table, or shapes that disagree return an error status (ONNX Runtime raises
  * it as an exception in the caller) and leave the pools untouched.
@@ -38,6 +58,8 @@
 
 #define DOMAIN "optimize"
 #define OP_NAME "PagedAttention"
+#define ROPE_OP_NAME "RotaryPagedAttention"
+#define QROWS_OP_NAME "QuantizeRows"
 #define KC 16          /* key positions per chunk */
 #define ROWS_TARGET 64 /* query rows (tokens x group heads) per work item, at most */
 #define INLINE_WORK (1 << 18) /* multiply-adds below which a step runs without the thread pool */
@@ -61,6 +83,10 @@ typedef struct {
     int64_t num_heads, kv_heads, window;
     float scale;
     int64_t inline_work; /* below this many multiply-adds a step runs without the thread pool */
+    int rope;            /* RotaryPagedAttention: packed qkv input, rotary applied here */
+    int qrows;           /* QuantizeRows (no attributes; none of the fields above) */
+    int64_t rotary_dim;  /* 0: head_dim */
+    int64_t interleaved;
 } Kernel;
 
 typedef struct {
@@ -69,6 +95,10 @@ typedef struct {
 
 typedef struct {
     const float *q;
+    int64_t q_stride; /* floats from one token's query row to the next (H*D, or (H + 2*KVH)*D packed) */
+    const int64_t *pos; /* RotaryPagedAttention: token positions, the rotation's cache rows; else NULL */
+    const float *cos, *sin;
+    int64_t rdim, interleaved;
     float *kc, *vc;
     const int32_t *cu, *past, *bt;
     float *out;
@@ -172,6 +202,27 @@ static inline void update_rows(float *acc, int64_t Dp, int64_t D, int64_t n, con
     }
 }
 
+/* dst[0:D] = rotary(src[0:D]) * mult: pairs (i, i + R/2) (or (2i, 2i+1) interleaved) for i < R/2 turned by
+ * angle row c/s, as ONNX Runtime's RotaryEmbedding does (x*cos - y*sin, y*cos + x*sin); dimensions >= R copied */
+static inline void rope_row(float *dst, const float *src, int64_t D, int64_t R, int64_t interleaved,
+                            const float *c, const float *s, float mult) {
+    const int64_t half = R / 2;
+    if (interleaved) {
+        for (int64_t i = 0; i < half; i++) {
+            const float x = src[2 * i], y = src[2 * i + 1];
+            dst[2 * i] = (x * c[i] - y * s[i]) * mult;
+            dst[2 * i + 1] = (y * c[i] + x * s[i]) * mult;
+        }
+    } else {
+        for (int64_t i = 0; i < half; i++) {
+            const float x = src[i], y = src[i + half];
+            dst[i] = (x * c[i] - y * s[i]) * mult;
+            dst[i + half] = (y * c[i] + x * s[i]) * mult;
+        }
+    }
+    for (int64_t d = R; d < D; d++) dst[d] = src[d] * mult;
+}
+
 HOT_CLONES
 static void run_item(Job *job, size_t index) {
     const Item it = job->items[index];
@@ -193,10 +244,17 @@ static void run_item(Job *job, size_t index) {
     float *Q = mem, *acc = Q + Rp * Dp, *Kt = acc + Rp * Dp, *m = Kt + D * VL, *l = m + R;
     memset(mem, 0, sizeof(float) * (size_t)(2 * Rp * Dp));
     for (int64_t i = 0; i < nq; i++) {
+        const int64_t t = row0 + it.q0 + i;
         for (int64_t h = 0; h < G; h++) {
-            const float *src = job->q + (row0 + it.q0 + i) * H * D + (it.kv_head * G + h) * D;
+            const float *src = job->q + t * job->q_stride + (it.kv_head * G + h) * D;
             float *dst = Q + (i * G + h) * Dp;
-            for (int64_t d = 0; d < D; d++) dst[d] = src[d] * job->scale_log2;
+            if (job->pos) {
+                const int64_t half = job->rdim / 2;
+                rope_row(dst, src, D, job->rdim, job->interleaved, job->cos + job->pos[t] * half,
+                         job->sin + job->pos[t] * half, job->scale_log2);
+            } else {
+                for (int64_t d = 0; d < D; d++) dst[d] = src[d] * job->scale_log2;
+            }
         }
     }
     for (int64_t r = 0; r < R; r++) {
@@ -307,45 +365,98 @@ static OrtStatus *read_input(OrtKernelContext *ctx, size_t index, Tensor *t) {
 
 #define FAIL(...)                                                                                          \
     do {                                                                                                   \
-        snprintf(msg, sizeof msg, "optimize.PagedAttention: " __VA_ARGS__);                                \
+        int used_ = snprintf(msg, sizeof msg, "optimize.%s: ", opname);                                    \
+        snprintf(msg + used_, sizeof msg - (size_t)used_, __VA_ARGS__);                                    \
         return status(ORT_INVALID_ARGUMENT, msg);                                                          \
     } while (0)
 
+/* Element types of the two ops' inputs (F float32, I int32, L int64), in order. */
+static const char PLAIN_TYPES[] = "FFFFFIII";
+static const char ROPE_TYPES[] = "FLFFFFIII";
+
+static ONNXTensorElementDataType type_of(char c) {
+    return c == 'F' ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT
+                    : c == 'I' ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32 : ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+}
+
+static OrtStatus *quantize_rows_compute(OrtKernelContext *ctx);
+
 static OrtStatus *compute(void *op_kernel, OrtKernelContext *ctx) {
     const Kernel *k = (const Kernel *)op_kernel;
-    char msg[256];
-    Tensor in[8];
+    if (k->qrows) return quantize_rows_compute(ctx);
+    const char *opname = k->rope ? ROPE_OP_NAME : OP_NAME;
+    const char *types = k->rope ? ROPE_TYPES : PLAIN_TYPES;
+    const size_t n_in = strlen(types);
+    char msg[320];
+    Tensor in[9];
     size_t count = 0;
     OrtStatus *st = ORT_FN(g_api, KernelContext_GetInputCount, OrtKernelContextGetInputCountFn)(ctx, &count);
     if (st) return st;
-    if (count != 8) FAIL("expects 8 inputs, got %zu", count);
-    for (size_t i = 0; i < 8; i++)
+    if (count != n_in) FAIL("expects %zu inputs, got %zu", n_in, count);
+    for (size_t i = 0; i < n_in; i++)
         if ((st = read_input(ctx, i, &in[i]))) return st;
-    static const char *names[8] = {"query", "key", "value", "key_cache", "value_cache", "cu_seqlens",
-                                   "past_lens", "block_table"};
-    static const size_t ranks[8] = {2, 2, 2, 4, 4, 1, 1, 2};
-    for (int i = 0; i < 8; i++) {
-        const ONNXTensorElementDataType want = i < 5 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT
-                                                     : ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
-        if (in[i].type != want) FAIL("%s must be %s", names[i], i < 5 ? "float32" : "int32");
+    static const char *plain_names[8] = {"query", "key", "value", "key_cache", "value_cache", "cu_seqlens",
+                                         "past_lens", "block_table"};
+    static const char *rope_names[9] = {"qkv", "positions", "cos_cache", "sin_cache", "key_cache", "value_cache",
+                                        "cu_seqlens", "past_lens", "block_table"};
+    static const size_t plain_ranks[8] = {2, 2, 2, 4, 4, 1, 1, 2};
+    static const size_t rope_ranks[9] = {2, 1, 2, 2, 4, 4, 1, 1, 2};
+    const char *const *names = k->rope ? rope_names : plain_names;
+    const size_t *ranks = k->rope ? rope_ranks : plain_ranks;
+    for (size_t i = 0; i < n_in; i++) {
+        if (in[i].type != type_of(types[i]))
+            FAIL("%s must be %s", names[i], types[i] == 'F' ? "float32" : types[i] == 'I' ? "int32" : "int64");
         if (in[i].rank != ranks[i]) FAIL("%s must have rank %zu, has %zu", names[i], ranks[i], in[i].rank);
     }
+    /* the pools and the step description sit at the same places after the first `base` inputs */
+    const Tensor *kct = &in[k->rope ? 4 : 3], *vct = &in[k->rope ? 5 : 4], *cut = &in[k->rope ? 6 : 5];
+    const Tensor *pastt = &in[k->rope ? 7 : 6], *btt = &in[k->rope ? 8 : 7];
     const int64_t T = in[0].dims[0], H = k->num_heads, KVH = k->kv_heads;
-    const int64_t NB = in[3].dims[0], BS = in[3].dims[1], D = in[3].dims[3];
-    const int64_t B = in[6].dims[0], MB = in[7].dims[1];
-    if (in[3].dims[2] != KVH) FAIL("key_cache has %lld KV heads, kv_num_heads is %lld",
-                                   (long long)in[3].dims[2], (long long)KVH);
+    const int64_t NB = kct->dims[0], BS = kct->dims[1], D = kct->dims[3];
+    const int64_t B = pastt->dims[0], MB = btt->dims[1];
+    if (kct->dims[2] != KVH) FAIL("key_cache has %lld KV heads, kv_num_heads is %lld",
+                                  (long long)kct->dims[2], (long long)KVH);
     for (int d = 0; d < 4; d++)
-        if (in[4].dims[d] != in[3].dims[d]) FAIL("value_cache's shape differs from key_cache's");
-    if (in[0].dims[1] != H * D) FAIL("query has %lld columns, num_heads * head_dim is %lld",
-                                     (long long)in[0].dims[1], (long long)(H * D));
-    for (int i = 1; i < 3; i++)
-        if (in[i].dims[0] != T || in[i].dims[1] != KVH * D) FAIL("%s must be [T, kv_num_heads * head_dim]", names[i]);
-    if (in[5].dims[0] != B + 1) FAIL("cu_seqlens must have past_lens' length + 1");
-    if (in[7].dims[0] != B) FAIL("block_table must have one row per sequence");
+        if (vct->dims[d] != kct->dims[d]) FAIL("value_cache's shape differs from key_cache's");
+    /* where q, k and v of token t start, and the floats between two tokens' rows */
+    const float *qsrc = (const float *)in[0].data, *ksrc, *vsrc;
+    int64_t q_stride, kv_stride, rdim = 0, rows = 0;
+    const int64_t *pos = NULL;
+    if (k->rope) {
+        q_stride = kv_stride = (H + 2 * KVH) * D;
+        if (in[0].dims[1] != q_stride) FAIL("qkv has %lld columns, (num_heads + 2 * kv_num_heads) * head_dim is %lld",
+                                            (long long)in[0].dims[1], (long long)q_stride);
+        ksrc = qsrc + H * D;
+        vsrc = qsrc + (H + KVH) * D;
+        rdim = k->rotary_dim > 0 ? k->rotary_dim : D;
+        if (rdim > D || rdim % 2) FAIL("rotary_embedding_dim %lld must be even and at most head_dim %lld",
+                                       (long long)rdim, (long long)D);
+        if (in[1].dims[0] != T) FAIL("positions must have one entry per token");
+        rows = in[2].dims[0];
+        for (int i = 2; i < 4; i++)
+            if (in[i].dims[0] != rows || in[i].dims[1] != rdim / 2)
+                FAIL("%s must be [rows, rotary_embedding_dim / 2 = %lld]", names[i], (long long)(rdim / 2));
+        pos = (const int64_t *)in[1].data;
+        for (int64_t t = 0; t < T; t++)
+            if (pos[t] < 0 || pos[t] >= rows)
+                FAIL("position %lld of token %lld is outside the rotary cache of %lld rows", (long long)pos[t],
+                     (long long)t, (long long)rows);
+    } else {
+        q_stride = H * D;
+        kv_stride = KVH * D;
+        if (in[0].dims[1] != H * D) FAIL("query has %lld columns, num_heads * head_dim is %lld",
+                                         (long long)in[0].dims[1], (long long)(H * D));
+        for (int i = 1; i < 3; i++)
+            if (in[i].dims[0] != T || in[i].dims[1] != KVH * D)
+                FAIL("%s must be [T, kv_num_heads * head_dim]", names[i]);
+        ksrc = (const float *)in[1].data;
+        vsrc = (const float *)in[2].data;
+    }
+    if (cut->dims[0] != B + 1) FAIL("cu_seqlens must have past_lens' length + 1");
+    if (btt->dims[0] != B) FAIL("block_table must have one row per sequence");
     if (BS <= 0) FAIL("block_size must be positive");
-    const int32_t *cu = (const int32_t *)in[5].data, *past = (const int32_t *)in[6].data;
-    const int32_t *bt = (const int32_t *)in[7].data;
+    const int32_t *cu = (const int32_t *)cut->data, *past = (const int32_t *)pastt->data;
+    const int32_t *bt = (const int32_t *)btt->data;
     if (cu[0] != 0) FAIL("cu_seqlens must start at 0");
     if (cu[B] != T) FAIL("cu_seqlens must end at the number of tokens (%lld)", (long long)T);
     int64_t work = 0;
@@ -374,16 +485,23 @@ static OrtStatus *compute(void *op_kernel, OrtKernelContext *ctx) {
     float *out = NULL;
     if ((st = ORT_FN(g_api, GetTensorMutableData, OrtGetTensorMutableDataFn)(out_value, (void **)&out))) return st;
 
-    /* this step's K/V into the pools, in place */
-    float *kc = (float *)in[3].data, *vc = (float *)in[4].data;
-    const float *knew = (const float *)in[1].data, *vnew = (const float *)in[2].data;
+    /* this step's K/V into the pools, in place (K rotated on the way by RotaryPagedAttention) */
+    float *kc = (float *)kct->data, *vc = (float *)vct->data;
     const size_t row_bytes = sizeof(float) * (size_t)(KVH * D);
+    const float *cos_c = k->rope ? (const float *)in[2].data : NULL, *sin_c = k->rope ? (const float *)in[3].data : NULL;
     for (int64_t b = 0; b < B; b++) {
         for (int64_t t = cu[b]; t < cu[b + 1]; t++) {
             const int64_t p = past[b] + (t - cu[b]);
             const int64_t slot = (int64_t)bt[b * MB + p / BS] * BS + p % BS;
-            memcpy(kc + slot * KVH * D, knew + t * KVH * D, row_bytes);
-            memcpy(vc + slot * KVH * D, vnew + t * KVH * D, row_bytes);
+            if (pos) {
+                const float *c = cos_c + pos[t] * (rdim / 2), *s = sin_c + pos[t] * (rdim / 2);
+                for (int64_t h = 0; h < KVH; h++)
+                    rope_row(kc + (slot * KVH + h) * D, ksrc + t * kv_stride + h * D, D, rdim, k->interleaved, c, s,
+                             1.0f);
+            } else {
+                memcpy(kc + slot * KVH * D, ksrc + t * kv_stride, row_bytes);
+            }
+            memcpy(vc + slot * KVH * D, vsrc + t * kv_stride, row_bytes);
         }
     }
 
@@ -397,7 +515,7 @@ static OrtStatus *compute(void *op_kernel, OrtKernelContext *ctx) {
     int64_t n_items = 0;
     for (int64_t b = 0; b < B; b++) n_items += KVH * ((cu[b + 1] - cu[b] + qt - 1) / qt);
     Item *items = (Item *)malloc(sizeof(Item) * (size_t)(n_items > 0 ? n_items : 1));
-    if (!items) return status(ORT_FAIL, "optimize.PagedAttention: out of memory");
+    if (!items) FAIL("out of memory");
     int64_t n = 0;
     for (int64_t b = 0; b < B; b++) {
         const int64_t len = cu[b + 1] - cu[b];
@@ -406,8 +524,8 @@ static OrtStatus *compute(void *op_kernel, OrtKernelContext *ctx) {
             for (int64_t g = 0; g < KVH; g++) items[n++] = (Item){(int32_t)b, (int32_t)g, (int32_t)q0, (int32_t)q1};
         }
     }
-    Job job = {(const float *)in[0].data, kc, vc, cu, past, bt, out, MB, BS, H, KVH, D, G, k->window,
-               k->scale * 1.4426950408889634f, items, 0};
+    Job job = {qsrc, q_stride, pos, cos_c, sin_c, rdim, k->interleaved, kc, vc, cu, past, bt, out, MB, BS, H, KVH,
+               D, G, k->window, k->scale * 1.4426950408889634f, items, 0};
     OrtKernelContextParallelForFn parallel_for =
         ORT_FN(g_api, KernelContext_ParallelFor, OrtKernelContextParallelForFn);
     if (work >= k->inline_work && n_items > 1) {
@@ -417,18 +535,101 @@ static OrtStatus *compute(void *op_kernel, OrtKernelContext *ctx) {
     }
     free(items);
     if (st) return st;
-    if (job.failed) return status(ORT_FAIL, "optimize.PagedAttention: out of memory for a work item's scratch");
+    if (job.failed) {
+        snprintf(msg, sizeof msg, "optimize.%s: out of memory for a work item's scratch", opname);
+        return status(ORT_FAIL, msg);
+    }
+    return NULL;
+}
+
+/* ---- optimize.QuantizeRows ------------------------------------------------------------------------- */
+
+typedef struct {
+    const float *x;
+    uint8_t *codes;
+    float *scale;
+    int64_t K, rows_per_item, rows;
+} QuantJob;
+
+HOT_CLONES
+static void quantize_rows_item(void *arg, size_t index) {
+    const QuantJob *job = (const QuantJob *)arg;
+    const float inv_qmax = 1.0f / 127.0f, tiny = 1e-12f;
+    const int64_t r0 = (int64_t)index * job->rows_per_item;
+    const int64_t r1 = r0 + job->rows_per_item < job->rows ? r0 + job->rows_per_item : job->rows;
+    for (int64_t r = r0; r < r1; r++) {
+        const float *x = job->x + r * job->K;
+        uint8_t *q = job->codes + r * job->K;
+        v16f m = {0};
+        int64_t k = 0;
+        for (; k + VL <= job->K; k += VL) {
+            const v16f v = vload(x + k);
+            m = vmax(m, vselect(v < 0, -v, v));
+        }
+        float amax = hmax(m);
+        for (; k < job->K; k++) amax = fmaxf(amax, fabsf(x[k]));
+        const float sd = amax * inv_qmax;
+        const float s = sd > tiny ? sd : tiny;
+        job->scale[r] = s;
+        for (k = 0; k < job->K; k++) {
+            /* QuantizeLinear(x / s, 1, 128): round half to even (the default rounding mode), saturate */
+            float v = nearbyintf(x[k] / job->scale[r]) + 128.0f;
+            v = v < 0.0f ? 0.0f : v > 255.0f ? 255.0f : v;
+            q[k] = (uint8_t)v;
+        }
+    }
+}
+
+static OrtStatus *quantize_rows_compute(OrtKernelContext *ctx) {
+    const char *opname = QROWS_OP_NAME;
+    char msg[256];
+    Tensor x;
+    OrtStatus *st = read_input(ctx, 0, &x);
+    if (st) return st;
+    if (x.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) FAIL("x must be float32");
+    if (x.rank < 1) FAIL("x must have rank 1 or more");
+    int64_t rows = 1, K = x.dims[x.rank - 1];
+    for (size_t i = 0; i + 1 < x.rank; i++) rows *= x.dims[i];
+    int64_t scale_dims[4];
+    memcpy(scale_dims, x.dims, sizeof scale_dims);
+    scale_dims[x.rank - 1] = 1;
+    OrtValue *codes_v = NULL, *scale_v = NULL;
+    if ((st = ORT_FN(g_api, KernelContext_GetOutput, OrtKernelContextGetOutputFn)(ctx, 0, x.dims, x.rank, &codes_v)))
+        return st;
+    if ((st = ORT_FN(g_api, KernelContext_GetOutput, OrtKernelContextGetOutputFn)(ctx, 1, scale_dims, x.rank,
+                                                                                   &scale_v)))
+        return st;
+    if (rows == 0) return NULL;
+    QuantJob job = {(const float *)x.data, NULL, NULL, K, 0, rows};
+    if ((st = ORT_FN(g_api, GetTensorMutableData, OrtGetTensorMutableDataFn)(codes_v, (void **)&job.codes))) return st;
+    if ((st = ORT_FN(g_api, GetTensorMutableData, OrtGetTensorMutableDataFn)(scale_v, (void **)&job.scale))) return st;
+    /* items of at least 64K elements: a decode step's few rows run inline */
+    job.rows_per_item = K > 0 ? ((1 << 16) + K - 1) / K : rows;
+    if (job.rows_per_item < 1) job.rows_per_item = 1;
+    const size_t items = (size_t)((rows + job.rows_per_item - 1) / job.rows_per_item);
+    if (items > 1)
+        return ORT_FN(g_api, KernelContext_ParallelFor, OrtKernelContextParallelForFn)(ctx, quantize_rows_item, items, 0,
+                                                                                      &job);
+    quantize_rows_item(&job, 0);
     return NULL;
 }
 
 /* ---- the OrtCustomOp callbacks ----------------------------------------------------------------------- */
 
+static OrtCustomOp g_op, g_rope_op, g_qrows_op; /* defined below */
+
 static OrtStatus *create_kernel(const OrtCustomOp *op, const OrtApi *api, const OrtKernelInfo *info, void **out) {
-    (void)op;
     (void)api;
     char msg[256];
     Kernel *k = (Kernel *)calloc(1, sizeof(Kernel));
     if (!k) return status(ORT_FAIL, "optimize.PagedAttention: out of memory");
+    k->rope = op == &g_rope_op;
+    k->qrows = op == &g_qrows_op;
+    if (k->qrows) {
+        *out = k;
+        return NULL;
+    }
+    const char *opname = k->rope ? ROPE_OP_NAME : OP_NAME;
     OrtStatus *st = ORT_FN(g_api, KernelInfoGetAttribute_int64, OrtKernelInfoGetAttributeInt64Fn)(
         info, "num_heads", &k->num_heads);
     if (!st) st = ORT_FN(g_api, KernelInfoGetAttribute_int64, OrtKernelInfoGetAttributeInt64Fn)(
@@ -437,9 +638,18 @@ static OrtStatus *create_kernel(const OrtCustomOp *op, const OrtApi *api, const 
         info, "scale", &k->scale);
     if (!st) st = ORT_FN(g_api, KernelInfoGetAttribute_int64, OrtKernelInfoGetAttributeInt64Fn)(
         info, "local_window_size", &k->window);
+    if (!st && k->rope) st = ORT_FN(g_api, KernelInfoGetAttribute_int64, OrtKernelInfoGetAttributeInt64Fn)(
+        info, "rotary_embedding_dim", &k->rotary_dim);
+    if (!st && k->rope) st = ORT_FN(g_api, KernelInfoGetAttribute_int64, OrtKernelInfoGetAttributeInt64Fn)(
+        info, "interleaved", &k->interleaved);
     if (!st && (k->num_heads <= 0 || k->kv_heads <= 0 || k->num_heads % k->kv_heads)) {
-        snprintf(msg, sizeof msg, "optimize.PagedAttention: num_heads %lld must be a positive multiple of "
-                 "kv_num_heads %lld", (long long)k->num_heads, (long long)k->kv_heads);
+        snprintf(msg, sizeof msg, "optimize.%s: num_heads %lld must be a positive multiple of "
+                 "kv_num_heads %lld", opname, (long long)k->num_heads, (long long)k->kv_heads);
+        st = status(ORT_INVALID_ARGUMENT, msg);
+    }
+    if (!st && (k->rotary_dim < 0 || k->rotary_dim % 2 || (k->interleaved != 0 && k->interleaved != 1))) {
+        snprintf(msg, sizeof msg, "optimize.%s: rotary_embedding_dim %lld must be even and not negative, "
+                 "interleaved %lld 0 or 1", opname, (long long)k->rotary_dim, (long long)k->interleaved);
         st = status(ORT_INVALID_ARGUMENT, msg);
     }
     if (st) {
@@ -466,18 +676,20 @@ static void compute_v1(void *op_kernel, OrtKernelContext *ctx) {
 }
 
 static void destroy_kernel(void *op_kernel) { free(op_kernel); }
-static const char *op_name(const OrtCustomOp *op) { (void)op; return OP_NAME; }
+static const char *op_name(const OrtCustomOp *op) {
+    return op == &g_rope_op ? ROPE_OP_NAME : op == &g_qrows_op ? QROWS_OP_NAME : OP_NAME;
+}
 static const char *op_provider(const OrtCustomOp *op) { (void)op; return "CPUExecutionProvider"; }
-static ONNXTensorElementDataType input_type(const OrtCustomOp *op, size_t i) {
-    (void)op;
-    return i < 5 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
+static const char *op_types(const OrtCustomOp *op) {
+    return op == &g_rope_op ? ROPE_TYPES : op == &g_qrows_op ? "F" : PLAIN_TYPES;
 }
-static size_t input_count(const OrtCustomOp *op) { (void)op; return 8; }
+static ONNXTensorElementDataType input_type(const OrtCustomOp *op, size_t i) { return type_of(op_types(op)[i]); }
+static size_t input_count(const OrtCustomOp *op) { return strlen(op_types(op)); }
 static ONNXTensorElementDataType output_type(const OrtCustomOp *op, size_t i) {
-    (void)op; (void)i;
-    return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    /* QuantizeRows: (codes uint8, scale float32); the attention ops: output float32 */
+    return op == &g_qrows_op && i == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 }
-static size_t output_count(const OrtCustomOp *op) { (void)op; return 1; }
+static size_t output_count(const OrtCustomOp *op) { return op == &g_qrows_op ? 2 : 1; }
 static OrtCustomOpInputOutputCharacteristic required(const OrtCustomOp *op, size_t i) {
     (void)op; (void)i;
     return INPUT_OUTPUT_REQUIRED;
@@ -489,11 +701,16 @@ static int end_version(const OrtCustomOp *op) { (void)op; return INT_MAX; }
 static size_t no_pairs(int **in, int **out) { *in = NULL; *out = NULL; return 0; }
 static void release_pairs(int *in, int *out) { (void)in; (void)out; }
 
-static OrtCustomOp g_op = {
-    ORT_API_VERSION_USED, create_kernel_v1, op_name, op_provider, input_type, input_count, output_type,
-    output_count, compute_v1, destroy_kernel, required, required, input_mem, one, one, one, one,
-    create_kernel, compute, NULL, start_version, end_version, no_pairs, release_pairs, no_pairs, release_pairs,
-};
+#define CUSTOM_OP                                                                                          \
+    {                                                                                                      \
+        ORT_API_VERSION_USED, create_kernel_v1, op_name, op_provider, input_type, input_count, output_type,  \
+        output_count, compute_v1, destroy_kernel, required, required, input_mem, one, one, one, one,         \
+        create_kernel, compute, NULL, start_version, end_version, no_pairs, release_pairs, no_pairs,         \
+        release_pairs,                                                                                     \
+    }
+static OrtCustomOp g_op = CUSTOM_OP;
+static OrtCustomOp g_rope_op = CUSTOM_OP; /* told apart by their addresses */
+static OrtCustomOp g_qrows_op = CUSTOM_OP;
 
 /* ONNX Runtime's entry point for SessionOptions.register_custom_ops_library. */
 __attribute__((visibility("default")))
@@ -517,6 +734,8 @@ OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *api_b
     if (!g_domain) {
         if ((st = ORT_FN(g_api, CreateCustomOpDomain, OrtCreateCustomOpDomainFn)(DOMAIN, &g_domain))) return st;
         if ((st = ORT_FN(g_api, CustomOpDomain_Add, OrtCustomOpDomainAddFn)(g_domain, &g_op))) return st;
+        if ((st = ORT_FN(g_api, CustomOpDomain_Add, OrtCustomOpDomainAddFn)(g_domain, &g_rope_op))) return st;
+        if ((st = ORT_FN(g_api, CustomOpDomain_Add, OrtCustomOpDomainAddFn)(g_domain, &g_qrows_op))) return st;
     }
     return ORT_FN(g_api, AddCustomOpDomain, OrtAddCustomOpDomainFn)(options, g_domain);
 }

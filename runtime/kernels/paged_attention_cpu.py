@@ -19,6 +19,7 @@ from typing import Any
 
 DOMAIN = "optimize"
 OP_TYPE = "PagedAttention"
+ROPE_OP_TYPE = "RotaryPagedAttention"  # the same kernel on the packed QKV, rotating q and k itself
 # The C library asks ONNX Runtime for this version of its API table (ORT_API_VERSION_USED in ort_api.h).
 ORT_API_VERSION = 20
 MODULE = "runtime.kernels._paged_attention_cpu"
@@ -70,5 +71,5 @@ def uses_kernel(model: Any) -> bool:
     return any(o.domain == DOMAIN for o in model.opset_import)
 
 
-__all__ = ["DOMAIN", "OP_TYPE", "KernelLibraryError", "check_onnxruntime_version", "library_path", "register",
+__all__ = ["DOMAIN", "OP_TYPE", "ROPE_OP_TYPE", "KernelLibraryError", "check_onnxruntime_version", "library_path", "register",
            "uses_kernel"]
