@@ -17,9 +17,11 @@
  *
  * Work is split into items (sequence, KV head, query tile); a tile holds up to QT query tokens times
  * the G = H / KVH query heads that share the KV head, so every key row read from the pool serves all G
- * heads. Per item: keys in chunks of KC positions, scores by an outer-product loop over the head
- * dimension (vectorized across the chunk), an online softmax in base 2 (running max and sum per query
- * row, float32 accumulation), the weighted values accumulated per row. Items run on ONNX Runtime's
+ * heads. Per item: keys in chunks of KC positions, an online softmax in base 2 (running max and sum per
+ * query row, float32 accumulation), the weighted values accumulated per row. Items of 16 rows or more
+ * (prefill tiles) put 16 query rows in the vector lanes (attend_lanes: Q transposed once, a broadcast
+ * key or value element per multiply-add, the softmax per lane); smaller ones (decode) take a dot product
+ * per (row, key), vectorized over the head dimension. Items run on ONNX Runtime's
  * intra-op thread pool (KernelContext_ParallelFor), the session's own threads; a step too small to pay
  * for a fork/join runs inline. The hot function is compiled for x86-64-v4 (AVX-512), v3 (AVX2 + FMA)
  * and baseline x86-64, chosen at load by the CPU (GCC target_clones).
@@ -178,6 +180,7 @@ static inline float dot(const float *a, const float *b, int64_t n) {
 }
 
 #define NR 8 /* query rows per score pass (independent accumulators) */
+#define LANES_MIN 16 /* an item of at least this many query rows takes attend_lanes */
 
 /* Rows r0..r0+n (n <= 4) of acc: acc = acc * alpha[k] + sum_jj p[k][jj] * vrow[jj] for jj < nk, one
  * d-block at a time so the accumulators stay in registers across the chunk's keys. */
@@ -223,6 +226,94 @@ static inline void rope_row(float *dst, const float *src, int64_t D, int64_t R, 
     for (int64_t d = R; d < D; d++) dst[d] = src[d] * mult;
 }
 
+/* Many query rows (prefill tiles): 16 rows at a time in the vector lanes. Q is transposed once per group
+ * (Qt [D][16]), so a key chunk's scores are s[jj] = sum_d Qt[d] * k_jj[d] (a broadcast key element per
+ * multiply-add, no transposition of keys), the softmax runs per lane with no horizontal reductions, and
+ * the weighted values accumulate into Ot [D][16] (a broadcast value element per multiply-add). Rows are
+ * those of the item's scratch Q [R][Dp] (scaled, rotated); the result goes to out. */
+static inline __attribute__((always_inline)) void attend_lanes(const Job *job, const Item it, const float *Q,
+                                                               int64_t Dp, int64_t R, float *scratch) {
+    const int64_t D = job->head_dim, G = job->group, BS = job->block_size, KVH = job->kv_heads;
+    const int64_t H = job->num_heads, past = job->past[it.seq], row0 = job->cu[it.seq];
+    const int32_t *table = job->bt + (int64_t)it.seq * job->max_blocks;
+    const int64_t window = job->window;
+    float *Qt = scratch, *Ot = Qt + D * VL;
+    const float *krow[VL], *vrow[VL];
+    for (int64_t g0 = 0; g0 < R; g0 += VL) {
+        const int64_t nr = R - g0 < VL ? R - g0 : VL;
+        for (int64_t d = 0; d < D; d++)
+            for (int64_t r = 0; r < VL; r++) Qt[d * VL + r] = r < nr ? Q[(g0 + r) * Dp + d] : 0.0f;
+        memset(Ot, 0, sizeof(float) * (size_t)(D * VL));
+        /* each lane's position; padding lanes repeat the last row's (their results are dropped) */
+        int32_t pos_arr[VL];
+        for (int64_t r = 0; r < VL; r++) pos_arr[r] = (int32_t)(past + it.q0 + (g0 + (r < nr ? r : nr - 1)) / G);
+        v16i prow;
+        memcpy(&prow, pos_arr, sizeof prow);
+        const int64_t p_min = pos_arr[0], p_max = pos_arr[nr - 1];
+        const v16i lo_row = window > 0 ? prow - (int32_t)(window - 1) : (v16i){0};
+        int64_t k_begin = window > 0 ? p_min - window + 1 : 0;
+        if (k_begin < 0) k_begin = 0;
+        v16f m = vsplat(-INFINITY), l = {0};
+        for (int64_t j0 = k_begin; j0 <= p_max; j0 += VL) {
+            const int64_t nk = (p_max - j0 + 1) < VL ? (p_max - j0 + 1) : VL;
+            for (int64_t jj = 0; jj < VL; jj++) {
+                const int64_t j = j0 + (jj < nk ? jj : 0);
+                const int64_t slot = (int64_t)table[j / BS] * BS + j % BS;
+                krow[jj] = job->kc + (slot * KVH + it.kv_head) * D;
+                vrow[jj] = job->vc + (slot * KVH + it.kv_head) * D;
+            }
+            v16f sc[VL];
+            for (int64_t jj = 0; jj < VL; jj++) sc[jj] = (v16f){0};
+            for (int64_t d = 0; d < D; d++) {
+                const v16f q = vload(Qt + d * VL);
+                for (int64_t jj = 0; jj < VL; jj++) sc[jj] += q * krow[jj][d];
+            }
+            /* mask keys a lane may not see: past its position, before its window, beyond the chunk */
+            const int full = j0 + nk - 1 <= p_min && (window <= 0 || j0 >= p_max - window + 1) && nk == VL;
+            v16f mx = vsplat(-INFINITY);
+            for (int64_t jj = 0; jj < VL; jj++) {
+                if (!full) {
+                    const int32_t j = (int32_t)(j0 + jj);
+                    const v16i ok = (prow >= j) & (lo_row <= j) & (jj < nk ? (v16i){0} - 1 : (v16i){0});
+                    sc[jj] = vselect(ok, sc[jj], vsplat(-INFINITY));
+                }
+                mx = vmax(mx, sc[jj]);
+            }
+            const v16f m_new = vmax(m, mx);
+            /* a lane that has seen no key yet keeps m = -inf: exponentiate against 0 there (all terms are 0) */
+            const v16f m_use = vselect(m_new == vsplat(-INFINITY), (v16f){0}, m_new);
+            const v16f alpha = vexp2_neg(m - m_use);
+            v16f psum = {0};
+            for (int64_t jj = 0; jj < VL; jj++) {
+                sc[jj] = vexp2_neg(sc[jj] - m_use);
+                psum += sc[jj];
+            }
+            l = l * alpha + psum;
+            m = m_new;
+            int64_t d = 0;
+            for (; d + 8 <= D; d += 8) {
+                v16f a[8];
+                for (int64_t i = 0; i < 8; i++) a[i] = vload(Ot + (d + i) * VL) * alpha;
+                for (int64_t jj = 0; jj < nk; jj++)
+                    for (int64_t i = 0; i < 8; i++) a[i] += sc[jj] * vrow[jj][d + i];
+                for (int64_t i = 0; i < 8; i++) vstore(Ot + (d + i) * VL, a[i]);
+            }
+            for (; d < D; d++) {
+                v16f a = vload(Ot + d * VL) * alpha;
+                for (int64_t jj = 0; jj < nk; jj++) a += sc[jj] * vrow[jj][d];
+                vstore(Ot + d * VL, a);
+            }
+        }
+        float inv[VL];
+        for (int64_t r = 0; r < VL; r++) inv[r] = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+        for (int64_t r = 0; r < nr; r++) {
+            const int64_t i = (g0 + r) / G, h = (g0 + r) % G;
+            float *dst = job->out + (row0 + it.q0 + i) * H * D + (it.kv_head * G + h) * D;
+            for (int64_t dd = 0; dd < D; dd++) dst[dd] = Ot[dd * VL + r] * inv[r];
+        }
+    }
+}
+
 HOT_CLONES
 static void run_item(Job *job, size_t index) {
     const Item it = job->items[index];
@@ -232,16 +323,16 @@ static void run_item(Job *job, size_t index) {
     const int64_t past = job->past[it.seq], row0 = job->cu[it.seq];
     const int32_t *table = job->bt + (int64_t)it.seq * job->max_blocks;
     const int64_t window = job->window;
-    const int transposed = R >= 16; /* many rows per key: transpose the key chunk once for all of them */
+    const int lanes = R >= LANES_MIN; /* many rows: attend_lanes */
 
     /* scratch: Q [Rp][Dp] (scaled; zero rows/columns pad to whole passes and vectors), acc [Rp][Dp],
-     * Kt [D][VL], m [R], l [R] */
-    float *mem = (float *)malloc(sizeof(float) * (size_t)(2 * Rp * Dp + D * VL + 2 * R + 2 * VL));
+     * attend_lanes' Qt and Ot [D][VL], m [R], l [R] */
+    float *mem = (float *)malloc(sizeof(float) * (size_t)(2 * Rp * Dp + 2 * D * VL + 2 * R + 2 * VL));
     if (!mem) {
         job->failed = 1;
         return;
     }
-    float *Q = mem, *acc = Q + Rp * Dp, *Kt = acc + Rp * Dp, *m = Kt + D * VL, *l = m + R;
+    float *Q = mem, *acc = Q + Rp * Dp, *lanes_scratch = acc + Rp * Dp, *m = lanes_scratch + 2 * D * VL, *l = m + R;
     memset(mem, 0, sizeof(float) * (size_t)(2 * Rp * Dp));
     for (int64_t i = 0; i < nq; i++) {
         const int64_t t = row0 + it.q0 + i;
@@ -256,6 +347,11 @@ static void run_item(Job *job, size_t index) {
                 for (int64_t d = 0; d < D; d++) dst[d] = src[d] * job->scale_log2;
             }
         }
+    }
+    if (lanes) {
+        attend_lanes(job, it, Q, Dp, R, lanes_scratch);
+        free(mem);
+        return;
     }
     for (int64_t r = 0; r < R; r++) {
         m[r] = -INFINITY;
@@ -277,30 +373,15 @@ static void run_item(Job *job, size_t index) {
             krow[jj] = job->kc + (slot * KVH + it.kv_head) * D;
             vrow[jj] = job->vc + (slot * KVH + it.kv_head) * D;
         }
-        if (transposed) {
-            for (int64_t jj = 0; jj < VL; jj++) {
-                const float *kr = krow[jj];
-                for (int64_t d = 0; d < D; d++) Kt[d * VL + jj] = kr[d];
-            }
-        }
         for (int64_t r0 = 0; r0 < R; r0 += NR) {
             const int64_t nr = R - r0 < NR ? R - r0 : NR;
             /* rows r0..r0+nr: skip when no key of this chunk is visible to any of them */
             const int64_t p_lo = past + it.q0 + r0 / G, p_hi = past + it.q0 + (r0 + nr - 1) / G;
             if (j0 > p_hi || j0 + nk - 1 < (window > 0 ? p_lo - window + 1 : 0)) continue;
-            if (transposed) { /* NR rows at once (padding rows of Q are zeros) */
-                for (int64_t k = 0; k < NR; k++) s[k] = (v16f){0};
-                const float *q0 = Q + r0 * Dp;
-                for (int64_t d = 0; d < D; d++) {
-                    const v16f kt = vload(Kt + d * VL);
-                    for (int64_t k = 0; k < NR; k++) s[k] += q0[k * Dp + d] * kt;
-                }
-            } else {
-                for (int64_t k = 0; k < nr; k++) {
-                    const float *qr = Q + (r0 + k) * Dp;
-                    for (int64_t jj = 0; jj < VL; jj++) sarr[jj] = dot(qr, krow[jj], D);
-                    s[k] = vload(sarr);
-                }
+            for (int64_t k = 0; k < nr; k++) {
+                const float *qr = Q + (r0 + k) * Dp;
+                for (int64_t jj = 0; jj < VL; jj++) sarr[jj] = dot(qr, krow[jj], D);
+                s[k] = vload(sarr);
             }
             for (int64_t k = 0; k < nr; k++) {
                 const int64_t r = r0 + k;
