@@ -105,3 +105,20 @@ def test_the_cpu_backend_runs_without_onnxruntime_s_arena_unless_asked(demo_arti
                 if o.finished:
                     out[env] = o.token_ids
     assert out[""] == out["1"] and len(out[""]) == 8
+
+
+def test_the_cpu_backend_fixes_glibc_mmap_threshold(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Large buffers stay mmapped (returned to the system when freed) instead of following glibc's
+    dynamic threshold; 0 leaves glibc alone."""
+    import platform
+
+    from runtime.backends.onnxruntime import fix_mmap_threshold
+
+    glibc = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+    assert fix_mmap_threshold() == ((1 << 20) if glibc else None)
+    monkeypatch.setenv("OPTIMIZE_MMAP_THRESHOLD", str(4 << 20))
+    assert fix_mmap_threshold() == ((4 << 20) if glibc else None)
+    monkeypatch.setenv("OPTIMIZE_MMAP_THRESHOLD", "0")
+    assert fix_mmap_threshold() is None
+    monkeypatch.delenv("OPTIMIZE_MMAP_THRESHOLD")
+    fix_mmap_threshold()  # back to the backend's default for the rest of the session

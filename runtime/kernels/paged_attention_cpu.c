@@ -114,6 +114,7 @@ typedef struct {
  * depending on the clone the CPU selects. Loads and stores go through memcpy (unaligned, no aliasing UB). */
 typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint8_t v16u8 __attribute__((vector_size(16)));
 #define VL 16
 
 static inline v16f vload(const float *p) { v16f v; memcpy(&v, p, sizeof v); return v; }
@@ -124,8 +125,10 @@ static inline v16f vmax(v16f a, v16f b) { return vselect(a > b, a, b); }
 
 #if defined(__clang__)
 #define SHUF(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
+#define SHUF2(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 #else
 #define SHUF(v, ...) __builtin_shuffle(v, (v16i){__VA_ARGS__})
+#define SHUF2(a, b, ...) __builtin_shuffle(a, b, (v16i){__VA_ARGS__})
 #endif
 
 static inline float hsum(v16f v) {
@@ -179,6 +182,43 @@ static inline float dot(const float *a, const float *b, int64_t n) {
     return t;
 }
 
+/* The 16 dot products q . krow[jj] (jj < 16) as one vector, lane jj = key jj: 16 per-key accumulators over
+ * whole vectors of the head dimension, then a transposing reduction tree (4 levels of shuffle + add; the
+ * accumulators are filled in bit-reversed order, which the tree's own lane order undoes), then the
+ * dimensions past the last whole vector. */
+static inline v16f scores16(const float *q, const float *const *krow, int64_t D) {
+    static const int bitrev[VL] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+    v16f a[VL];
+    for (int64_t i = 0; i < VL; i++) a[i] = (v16f){0};
+    const int64_t D16 = D / VL * VL;
+    for (int64_t d = 0; d < D16; d += VL) {
+        const v16f qv = vload(q + d);
+        for (int64_t jj = 0; jj < VL; jj++) a[bitrev[jj]] += qv * vload(krow[jj] + d);
+    }
+    v16f b[8], c[4], e[2];
+    for (int i = 0; i < 8; i++)
+        b[i] = SHUF2(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+               SHUF2(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int i = 0; i < 4; i++)
+        c[i] = SHUF2(b[2 * i], b[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+               SHUF2(b[2 * i], b[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int i = 0; i < 2; i++)
+        e[i] = SHUF2(c[2 * i], c[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+               SHUF2(c[2 * i], c[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+    v16f out = SHUF2(e[0], e[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+               SHUF2(e[0], e[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+    if (D16 < D) {
+        float tail[VL];
+        for (int64_t jj = 0; jj < VL; jj++) {
+            float t = 0.0f;
+            for (int64_t d = D16; d < D; d++) t += q[d] * krow[jj][d];
+            tail[jj] = t;
+        }
+        out += vload(tail);
+    }
+    return out;
+}
+
 #define NR 8 /* query rows per score pass (independent accumulators) */
 #define LANES_MIN 16 /* an item of at least this many query rows takes attend_lanes */
 
@@ -187,6 +227,22 @@ static inline float dot(const float *a, const float *b, int64_t n) {
 static inline void update_rows(float *acc, int64_t Dp, int64_t D, int64_t n, const float *alpha, const v16f *p,
                                const float *const *vrow, int64_t nk) {
     int64_t d = 0;
+    /* four vectors of the head dimension at once: up to 16 independent accumulator chains per key */
+    for (; d + 4 * VL <= D; d += 4 * VL) {
+        v16f a[4][4];
+        for (int64_t k = 0; k < n; k++)
+            for (int64_t b = 0; b < 4; b++) a[k][b] = vload(acc + k * Dp + d + b * VL) * alpha[k];
+        for (int64_t jj = 0; jj < nk; jj++) {
+            v16f v[4];
+            for (int64_t b = 0; b < 4; b++) v[b] = vload(vrow[jj] + d + b * VL);
+            for (int64_t k = 0; k < n; k++) {
+                const float pk = p[k][jj];
+                for (int64_t b = 0; b < 4; b++) a[k][b] += pk * v[b];
+            }
+        }
+        for (int64_t k = 0; k < n; k++)
+            for (int64_t b = 0; b < 4; b++) vstore(acc + k * Dp + d + b * VL, a[k][b]);
+    }
     for (; d + VL <= D; d += VL) {
         v16f a[4];
         for (int64_t k = 0; k < n; k++) a[k] = vload(acc + k * Dp + d) * alpha[k];
@@ -226,6 +282,27 @@ static inline void rope_row(float *dst, const float *src, int64_t D, int64_t R, 
     for (int64_t d = R; d < D; d++) dst[d] = src[d] * mult;
 }
 
+/* krow/vrow[jj] = the pool rows of keys j0 + jj (jj < nk; the rest repeat key j0's), walking the block
+ * table with one division per chunk */
+static inline void chunk_rows(const Job *job, const int32_t *table, int64_t kv_head, int64_t j0, int64_t nk,
+                              const float **krow, const float **vrow) {
+    const int64_t BS = job->block_size, KVH = job->kv_heads, D = job->head_dim;
+    int64_t blk = j0 / BS, off = j0 % BS;
+    for (int64_t jj = 0; jj < nk; jj++) {
+        const int64_t row = (((int64_t)table[blk] * BS + off) * KVH + kv_head) * D;
+        krow[jj] = job->kc + row;
+        vrow[jj] = job->vc + row;
+        if (++off == BS) {
+            off = 0;
+            blk++;
+        }
+    }
+    for (int64_t jj = nk; jj < VL; jj++) {
+        krow[jj] = krow[0];
+        vrow[jj] = vrow[0];
+    }
+}
+
 /* Many query rows (prefill tiles): 16 rows at a time in the vector lanes. Q is transposed once per group
  * (Qt [D][16]), so a key chunk's scores are s[jj] = sum_d Qt[d] * k_jj[d] (a broadcast key element per
  * multiply-add, no transposition of keys), the softmax runs per lane with no horizontal reductions, and
@@ -233,7 +310,7 @@ static inline void rope_row(float *dst, const float *src, int64_t D, int64_t R, 
  * those of the item's scratch Q [R][Dp] (scaled, rotated); the result goes to out. */
 static inline __attribute__((always_inline)) void attend_lanes(const Job *job, const Item it, const float *Q,
                                                                int64_t Dp, int64_t R, float *scratch) {
-    const int64_t D = job->head_dim, G = job->group, BS = job->block_size, KVH = job->kv_heads;
+    const int64_t D = job->head_dim, G = job->group;
     const int64_t H = job->num_heads, past = job->past[it.seq], row0 = job->cu[it.seq];
     const int32_t *table = job->bt + (int64_t)it.seq * job->max_blocks;
     const int64_t window = job->window;
@@ -256,12 +333,7 @@ static inline __attribute__((always_inline)) void attend_lanes(const Job *job, c
         v16f m = vsplat(-INFINITY), l = {0};
         for (int64_t j0 = k_begin; j0 <= p_max; j0 += VL) {
             const int64_t nk = (p_max - j0 + 1) < VL ? (p_max - j0 + 1) : VL;
-            for (int64_t jj = 0; jj < VL; jj++) {
-                const int64_t j = j0 + (jj < nk ? jj : 0);
-                const int64_t slot = (int64_t)table[j / BS] * BS + j % BS;
-                krow[jj] = job->kc + (slot * KVH + it.kv_head) * D;
-                vrow[jj] = job->vc + (slot * KVH + it.kv_head) * D;
-            }
+            chunk_rows(job, table, it.kv_head, j0, nk, krow, vrow);
             v16f sc[VL];
             for (int64_t jj = 0; jj < VL; jj++) sc[jj] = (v16f){0};
             for (int64_t d = 0; d < D; d++) {
@@ -317,7 +389,7 @@ static inline __attribute__((always_inline)) void attend_lanes(const Job *job, c
 HOT_CLONES
 static void run_item(Job *job, size_t index) {
     const Item it = job->items[index];
-    const int64_t D = job->head_dim, G = job->group, BS = job->block_size, KVH = job->kv_heads;
+    const int64_t D = job->head_dim, G = job->group;
     const int64_t H = job->num_heads, Dp = (D + VL - 1) / VL * VL;
     const int64_t nq = it.q1 - it.q0, R = nq * G, Rp = (R + NR - 1) / NR * NR;
     const int64_t past = job->past[it.seq], row0 = job->cu[it.seq];
@@ -363,26 +435,17 @@ static void run_item(Job *job, size_t index) {
     const float *krow[VL], *vrow[VL];
     const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     v16f s[NR];
-    float alpha[NR], sarr[VL];
+    float alpha[NR];
 
     for (int64_t j0 = k_begin; j0 <= p_last; j0 += VL) {
         const int64_t nk = (p_last - j0 + 1) < VL ? (p_last - j0 + 1) : VL;
-        for (int64_t jj = 0; jj < VL; jj++) {
-            const int64_t j = j0 + (jj < nk ? jj : 0);
-            const int64_t slot = (int64_t)table[j / BS] * BS + j % BS;
-            krow[jj] = job->kc + (slot * KVH + it.kv_head) * D;
-            vrow[jj] = job->vc + (slot * KVH + it.kv_head) * D;
-        }
+        chunk_rows(job, table, it.kv_head, j0, nk, krow, vrow);
         for (int64_t r0 = 0; r0 < R; r0 += NR) {
             const int64_t nr = R - r0 < NR ? R - r0 : NR;
             /* rows r0..r0+nr: skip when no key of this chunk is visible to any of them */
             const int64_t p_lo = past + it.q0 + r0 / G, p_hi = past + it.q0 + (r0 + nr - 1) / G;
             if (j0 > p_hi || j0 + nk - 1 < (window > 0 ? p_lo - window + 1 : 0)) continue;
-            for (int64_t k = 0; k < nr; k++) {
-                const float *qr = Q + (r0 + k) * Dp;
-                for (int64_t jj = 0; jj < VL; jj++) sarr[jj] = dot(qr, krow[jj], D);
-                s[k] = vload(sarr);
-            }
+            for (int64_t k = 0; k < nr; k++) s[k] = scores16(Q + (r0 + k) * Dp, krow, D);
             for (int64_t k = 0; k < nr; k++) {
                 const int64_t r = r0 + k;
                 const int64_t p = past + it.q0 + r / G; /* this row's position */
@@ -652,9 +715,19 @@ static void quantize_rows_item(void *arg, size_t index) {
         const float sd = amax * inv_qmax;
         const float s = sd > tiny ? sd : tiny;
         job->scale[r] = s;
-        for (k = 0; k < job->K; k++) {
-            /* QuantizeLinear(x / s, 1, 128): round half to even (the default rounding mode), saturate */
-            float v = nearbyintf(x[k] / job->scale[r]) + 128.0f;
+        /* QuantizeLinear(x / s, 1, 128): x / s is within [-127, 127] up to rounding, where adding and
+         * subtracting 1.5 * 2^23 rounds to the nearest integer, ties to even (the default rounding mode),
+         * as nearbyintf does; then + 128 and saturation to [0, 255] */
+        const v16f sv = vsplat(s), magic = vsplat(12582912.0f);
+        for (k = 0; k + VL <= job->K; k += VL) {
+            v16f v = ((vload(x + k) / sv + magic) - magic) + 128.0f;
+            v = vmax(v, (v16f){0});
+            v = vselect(v > 255.0f, vsplat(255.0f), v);
+            const v16u8 c = __builtin_convertvector(__builtin_convertvector(v, v16i), v16u8);
+            memcpy(q + k, &c, sizeof c);
+        }
+        for (; k < job->K; k++) {
+            float v = nearbyintf(x[k] / s) + 128.0f;
             v = v < 0.0f ? 0.0f : v > 255.0f ? 255.0f : v;
             q[k] = (uint8_t)v;
         }
