@@ -63,6 +63,7 @@ class GenerateRequest:
     arrival: float = field(default_factory=time.perf_counter)  # perf_counter() at receipt
     cache_salt: str | None = None  # only requests with the same salt share prefix-cache blocks
     client: str | None = None  # the per-client admission key (None: not counted per client)
+    prompt_logprobs: int | None = None  # None: none; N: each prompt token's logprob plus the top N
 
 
 @dataclass
@@ -299,9 +300,11 @@ class AsyncEngine:
                 continue
             req: GenerateRequest = msg
             try:
-                salted = {"cache_salt": req.cache_salt} if req.cache_salt else {}
+                extra: dict[str, Any] = {"cache_salt": req.cache_salt} if req.cache_salt else {}
+                if req.prompt_logprobs is not None:
+                    extra["prompt_logprobs"] = req.prompt_logprobs
                 self.engine.add_request(req.request_id, req.prompt_ids, req.params, arrival=req.arrival,
-                                        logprobs=req.logprobs, **salted)
+                                        logprobs=req.logprobs, **extra)
             except ValueError as exc:
                 errors.append((req.request_id, exc))
             else:

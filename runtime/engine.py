@@ -61,6 +61,10 @@ class RequestOutput:
     # Only for requests added with `logprobs=N`: one entry per token of `new_token_ids`.
     new_logprobs: list[TokenLogprob] | None = None
     metrics: RequestMetrics | None = None  # the request's timestamps (shared, updated in place)
+    # Only for requests added with `prompt_logprobs=N`, once the whole prompt has been computed: one entry
+    # per prompt token, None for the first (nothing predicts it), else its logprob given the tokens before
+    # it plus the top N.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -70,6 +74,7 @@ class TokenLogprob:
     token_id: int
     logprob: float  # natural log; temperature, top-k and top-p are not applied
     top: list[tuple[int, float]]  # the N most likely (token id, logprob), best first
+    rank: int = 0  # 1 + how many tokens are more likely (0: not computed)
 
 
 @dataclass
@@ -98,6 +103,8 @@ class _Request:
     status: RequestStatus = RequestStatus.WAITING
     num_logprobs: int | None = None  # None: no logprobs; N: chosen token + top N
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_prompt_logprobs: int | None = None  # None: none; N: each prompt token's logprob + top N
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # filled chunk by chunk during the prefill
 
 
 def load_tokenizer(folder: Path) -> Any:
@@ -221,13 +228,18 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     *, arrival: float | None = None, logprobs: int | None = None,
-                    cache_salt: str | None = None) -> None:
+                    cache_salt: str | None = None, prompt_logprobs: int | None = None) -> None:
         """Queue a request. `arrival`: its perf_counter() receive time (default now); `logprobs`: N
         to get each generated token's logprob plus the top N (RequestOutput.new_logprobs);
-        `cache_salt`: only requests with the same salt (or none) share prefix-cache blocks."""
+        `cache_salt`: only requests with the same salt (or none) share prefix-cache blocks;
+        `prompt_logprobs`: N to get each prompt token's logprob plus the top N
+        (RequestOutput.prompt_logprobs). Such a request computes its whole prompt: it neither takes
+        nor offers prefix-cache blocks (a cached prefix has no logits), so its numbers do not depend
+        on what other requests left in the cache."""
         params = params or SamplingParams()
-        if logprobs is not None and (not isinstance(logprobs, int) or isinstance(logprobs, bool) or logprobs < 0):
-            raise ValueError(f"logprobs must be None or an integer >= 0, got {logprobs!r}")
+        for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise ValueError(f"{name} must be None or an integer >= 0, got {value!r}")
         params.validate()
         if params.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {params.max_tokens}")
@@ -247,7 +259,11 @@ class LLMEngine:
         seq_id = next(self._seq_ids)
         req = _Request(request_id, seq_id, ids, params, make_generator(params.seed),
                        RequestMetrics(arrival=time.perf_counter() if arrival is None else arrival),
-                       num_logprobs=logprobs)
+                       num_logprobs=logprobs, num_prompt_logprobs=prompt_logprobs)
+        if prompt_logprobs is not None:
+            req.prompt_logprobs = [None] * len(ids)
+            # a root of its own: no block of another request matches, none of its blocks is shared
+            cache_salt = f"prompt-logprobs\0{id(self)}\0{seq_id}"
         self.scheduler.add(seq_id, ids, cache_root(cache_salt))
         self._requests[request_id] = req
         self._by_seq[seq_id] = req
@@ -280,8 +296,17 @@ class LLMEngine:
         if batch.block_copies:  # copy-on-write of shared prefix blocks this step writes into
             self.backend.copy_blocks(batch.block_copies)
         fb = self.scheduler.pack(batch)
+        scored = self._prompt_rows(batch, fb)
+        if scored:  # rows of prompt positions after the sampling rows, whose order is unchanged
+            fb.logits_index = np.concatenate([fb.logits_index, np.asarray([row for row, _, _ in scored], np.int64)])
         logits = self.backend.forward(fb)
         now = time.perf_counter()
+        base = len(fb.logits_index) - len(scored)
+        prompt_rows, logits = logits[base:], logits[:base]
+        for k, (_, r, pos) in enumerate(scored):  # row of position pos predicts prompt token pos + 1
+            assert r.prompt_logprobs is not None and r.num_prompt_logprobs is not None
+            r.prompt_logprobs[pos + 1] = _token_logprob(prompt_rows[k], r.prompt_ids[pos + 1],
+                                                        r.num_prompt_logprobs)
         sampled_entries = [e for e in batch.entries if e.needs_logits]
         reqs = [self._by_seq[e.seq_id] for e in sampled_entries]
         for e in batch.entries:
@@ -301,6 +326,19 @@ class LLMEngine:
             if out is not None:
                 outputs.append(out)
         return outputs
+
+    def _prompt_rows(self, batch: Any, fb: Any) -> list[tuple[int, _Request, int]]:
+        """(packed row, request, prompt position) of the step's prompt tokens whose next token is a prompt
+        token, for requests that asked for prompt logprobs (entries are packed in batch order)."""
+        rows: list[tuple[int, _Request, int]] = []
+        for i, e in enumerate(batch.entries):
+            r = self._by_seq[e.seq_id]
+            if r.num_prompt_logprobs is None:
+                continue
+            last = min(e.start + e.num_tokens, len(r.prompt_ids) - 1)  # positions < len - 1
+            off = int(fb.cu_seqlens[i]) - e.start
+            rows.extend((off + pos, r, pos) for pos in range(e.start, last))
+        return rows
 
     def _sample(self, logits: np.ndarray, reqs: list[_Request]) -> Sequence[int]:
         """Next token of each request; token histories are passed only when a penalty needs them."""
@@ -369,6 +407,7 @@ class LLMEngine:
             finish_reason=FINISH_REASON.get(r.status),
             new_logprobs=new_logprobs,
             metrics=r.metrics,
+            prompt_logprobs=r.prompt_logprobs,
         )
 
 
@@ -383,7 +422,7 @@ def _token_logprob(row: np.ndarray, token: int, n: int) -> TokenLogprob:
         idx = np.argpartition(-x, k - 1)[:k]
         idx = idx[np.argsort(-x[idx], kind="stable")]
         best = [(int(i), float(x[i] - logz)) for i in idx]
-    return TokenLogprob(token, float(x[token] - logz), best)
+    return TokenLogprob(token, float(x[token] - logz), best, int((x > x[token]).sum()) + 1)
 
 
 def cache_root(salt: str | None) -> int:

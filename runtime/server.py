@@ -12,8 +12,9 @@ Endpoints:
 Request fields: max_tokens (chat: also max_completion_tokens), temperature (default 1), top_p,
 top_k (extension; -1 or 0 = off), seed, stop (a string or a list), n (only 1), stream,
 stream_options.include_usage, logprobs (completions: 0..20 alternatives; chat: bool with
-top_logprobs 0..20), echo (completions, not with logprobs), and the vLLM extensions ignore_eos,
-stop_token_ids and cache_salt (requests share prefix-cache blocks only with the same salt). Logprobs are log_softmax of the model's raw logits (before temperature/top-k/top-p).
+top_logprobs 0..20), echo (completions; with logprobs the prompt's tokens lead the logprobs object,
+not streamed; max_tokens 0 with echo scores the prompt alone), and the vLLM extensions prompt_logprobs
+(0..20, not streamed), ignore_eos, stop_token_ids and cache_salt (requests share prefix-cache blocks only with the same salt). Logprobs are log_softmax of the model's raw logits (before temperature/top-k/top-p).
 presence_penalty, frequency_penalty, repetition_penalty and min_p go to the sampler where this
 runtime's SamplingParams has them (else 400 unless neutral); logit_bias, best_of, suffix, tools
 and non-text response_format are refused (400) unless neutral; other unknown fields are ignored. completions default to 16
@@ -337,6 +338,10 @@ class _Parsed:
     include_usage: bool
     logprobs: int | None  # None: off; N: top-N alternatives per token
     echo_text: str | None  # completions with echo: the prompt text to prepend
+    prompt_logprobs: int | None = None  # N: score the prompt (echo + logprobs, or vLLM's prompt_logprobs)
+    echo_logprobs: bool = False  # echo + logprobs: the prompt's tokens lead the logprobs object
+    vllm_prompt_logprobs: bool = False  # prompt_logprobs: the choice's `prompt_logprobs` list (vLLM's shape)
+    score_only: bool = False  # max_tokens 0 with echo: the engine generates one token, which is not returned
 
 
 # --------------------------------------------------------------------------------------------
@@ -951,12 +956,21 @@ class Server:
         stream, include_usage = self._stream_flags(body)
         logprobs = _int(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS)
         echo = _bool(body, "echo", False)
-        if echo and logprobs is not None:
-            raise _invalid("echo with logprobs (prompt logprobs) is not supported", "echo", "unsupported_value")
-        max_tokens = _int(body, "max_tokens", 16, lo=1)
-        params = self._sampling(body, len(ids), max_tokens, codec.vocab_size, "prompt")
+        vllm_prompt = _int(body, "prompt_logprobs", None, lo=0, hi=MAX_LOGPROBS)
+        echo_logprobs = echo and logprobs is not None
+        scored = [n for n in (logprobs if echo_logprobs else None, vllm_prompt) if n is not None]
+        if scored and stream:
+            raise _invalid("prompt logprobs (echo with logprobs, or prompt_logprobs) are not streamed; "
+                           "send the request with stream=false", "stream", "unsupported_value")
+        max_tokens = _int(body, "max_tokens", 16, lo=0)
+        score_only = max_tokens == 0
+        if score_only and (not echo or stream):
+            raise _invalid("max_tokens 0 is only allowed with echo=true (the prompt alone) and stream=false",
+                           "max_tokens")
+        params = self._sampling(body, len(ids), max(max_tokens, 1), codec.vocab_size, "prompt")
         echo_text = (prompt if isinstance(prompt, str) else codec.decode(ids)) if echo else None
-        return _Parsed(ids, params, stream, include_usage, logprobs, echo_text)
+        return _Parsed(ids, params, stream, include_usage, logprobs, echo_text, max(scored) if scored else None,
+                       echo_logprobs, vllm_prompt is not None, score_only)
 
     async def _parse_chat(self, body: dict[str, Any], codec: TextCodec) -> _Parsed:
         _refuse_unsupported(body)
@@ -1016,8 +1030,8 @@ class Server:
         salt = self._cache_salt(request, body)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         req = GenerateRequest(rid, parsed.prompt_ids, parsed.params, parsed.logprobs, arrival, cache_salt=salt,
-                              client=request.remote or "")
-        fmt = _ChatFormat(self, rid, codec) if chat else _CompletionFormat(self, rid, codec, parsed.echo_text)
+                              client=request.remote or "", prompt_logprobs=parsed.prompt_logprobs)
+        fmt = _ChatFormat(self, rid, codec) if chat else _CompletionFormat(self, rid, codec, parsed.echo_text, parsed)
         deadline = self.config.request_timeout
         try:
             async with engine.generate(req) as stream:
@@ -1166,23 +1180,58 @@ class _Format:
 class _CompletionFormat(_Format):
     chunk_object = "text_completion"
 
-    def __init__(self, server: Server, rid: str, codec: TextCodec, echo: str | None) -> None:
+    def __init__(self, server: Server, rid: str, codec: TextCodec, echo: str | None,
+                 parsed: _Parsed | None = None) -> None:
         super().__init__(server, rid, codec)
         self.echo = echo
+        self.parsed = parsed
         self.offset = len(echo) if echo else 0  # text_offset of the next token
 
-    def _logprobs(self, lps: list[TokenLogprob]) -> dict[str, Any]:
-        tokens = [self.codec.piece(lp.token_id) for lp in lps]
-        offsets = []
-        for t in tokens:
+    def _logprobs(self, lps: list[TokenLogprob], prompt: list[TokenLogprob | None] | None = None) -> dict[str, Any]:
+        """OpenAI's legacy logprobs object; with `prompt` (echo + logprobs) the prompt's tokens come first,
+        the first with null logprobs (nothing predicts it). text_offset counts the characters of the
+        tokens' own pieces from 0 (a piece's text can differ from what decoding a whole sequence gives)."""
+        tokens, values, tops, offsets = [], [], [], []
+        if prompt is not None:
+            pos = 0
+            for tid, lp in zip(self.parsed.prompt_ids if self.parsed else [], prompt, strict=True):
+                piece = self.codec.piece(tid)
+                tokens.append(piece)
+                values.append(None if lp is None else lp.logprob)
+                tops.append(None if lp is None else self._top(lp))
+                offsets.append(pos)
+                pos += len(piece)
+            self.offset = pos  # the generated tokens' offsets continue from the prompt pieces' own length
+        for lp in lps:
+            piece = self.codec.piece(lp.token_id)
+            tokens.append(piece)
+            values.append(lp.logprob)
+            tops.append(self._top(lp))
             offsets.append(self.offset)
-            self.offset += len(t)
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
-                "top_logprobs": [{self.codec.piece(t): v for t, v in lp.top} for lp in lps],
-                "text_offset": offsets}
+            self.offset += len(piece)
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
-    def _choice(self, text: str, lps: list[TokenLogprob] | None, reason: str | None) -> dict[str, Any]:
-        return {"index": 0, "text": text, "logprobs": self._logprobs(lps) if lps is not None else None,
+    def _top(self, lp: TokenLogprob) -> dict[str, float]:
+        return {self.codec.piece(t): v for t, v in lp.top}
+
+    def _vllm_prompt_logprobs(self, prompt: list[TokenLogprob | None]) -> list[dict[str, Any] | None]:
+        """vLLM's shape: per prompt token, {token id: {logprob, rank, decoded_token}} for the token itself
+        and the top N (null for the first token)."""
+        out: list[dict[str, Any] | None] = []
+        for lp in prompt:
+            if lp is None:
+                out.append(None)
+                continue
+            entry = {str(lp.token_id): {"logprob": lp.logprob, "rank": lp.rank,
+                                        "decoded_token": self.codec.piece(lp.token_id)}}
+            for rank, (t, v) in enumerate(lp.top, start=1):
+                entry.setdefault(str(t), {"logprob": v, "rank": rank, "decoded_token": self.codec.piece(t)})
+            out.append(entry)
+        return out
+
+    def _choice(self, text: str, lps: list[TokenLogprob] | None, reason: str | None,
+                prompt: list[TokenLogprob | None] | None = None) -> dict[str, Any]:
+        return {"index": 0, "text": text, "logprobs": self._logprobs(lps, prompt) if lps is not None else None,
                 "finish_reason": reason}
 
     def start(self) -> list[dict[str, Any]]:
@@ -1197,9 +1246,17 @@ class _CompletionFormat(_Format):
         return self.envelope(self.chunk_object, [self._choice(out.new_text, lps, out.finish_reason)])
 
     def response(self, out: RequestOutput, lps: list[TokenLogprob] | None) -> dict[str, Any]:
-        text = (self.echo or "") + out.text
-        return {**self.envelope("text_completion", [self._choice(text, lps, out.finish_reason)]),
-                "usage": self.usage(out)}
+        parsed = self.parsed
+        usage = self.usage(out)
+        generated, reason = out.text, out.finish_reason
+        if parsed is not None and parsed.score_only:  # max_tokens 0: the prompt alone
+            generated, lps, reason = "", [] if lps is not None else None, "length"
+            usage = {**usage, "completion_tokens": 0, "total_tokens": usage["prompt_tokens"]}
+        prompt = out.prompt_logprobs if parsed is not None and parsed.echo_logprobs else None
+        choice = self._choice((self.echo or "") + generated, lps, reason, prompt)
+        if parsed is not None and parsed.vllm_prompt_logprobs and out.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self._vllm_prompt_logprobs(out.prompt_logprobs)
+        return {**self.envelope("text_completion", [choice]), "usage": usage}
 
 
 class _ChatFormat(_Format):

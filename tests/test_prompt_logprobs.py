@@ -1,0 +1,150 @@
+"""Prompt logprobs: the engine's `prompt_logprobs=N` and the server's `echo` + `logprobs`, `max_tokens: 0`
+and vLLM's `prompt_logprobs`, against transformers' log-softmax of the same prompt (the demo model, fp32).
+
+What evaluation harnesses send for loglikelihood tasks (lm-evaluation-harness `local-completions`):
+`{"prompt": [[ids...]], "echo": true, "logprobs": 1, "max_tokens": 1, "temperature": 0}`, then they read
+`token_logprobs[ctxlen:-1]` and compare each with the best of `top_logprobs`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from conftest import DEMO_MODEL
+from test_server import MODEL, ServerProcess, post
+
+from runtime.engine import LLMEngine
+from runtime.sampling import SamplingParams
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(demo_artifact: Path) -> list[int]:
+    from runtime.engine import Tokenizer
+
+    text = (DEMO_MODEL / "eval.txt").read_text(encoding="utf-8")[:4000]
+    return Tokenizer(demo_artifact / "tokenizer").encode(text)[:150]
+
+
+@pytest.fixture(scope="module")
+def reference(prompt_ids: list[int]) -> np.ndarray:
+    """transformers' log_softmax rows [len(ids), vocab] (float64)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(DEMO_MODEL, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt_ids])).logits[0].double()
+    return torch.log_softmax(logits, -1).numpy()
+
+
+def expected(reference: np.ndarray, ids: list[int]) -> np.ndarray:
+    return np.array([reference[i, ids[i + 1]] for i in range(len(ids) - 1)])
+
+
+@pytest.mark.parametrize("chunk", [512, 48], ids=["one_chunk", "chunked"])
+def test_engine_prompt_logprobs_match_transformers_with_a_warm_prefix_cache(
+        demo_artifact: Path, prompt_ids: list[int], reference: np.ndarray, chunk: int) -> None:
+    engine = LLMEngine(demo_artifact, max_num_batched_tokens=chunk)
+    # warm the prefix cache with the same prompt: the scored request must still compute every position
+    engine.add_request("warm", prompt_ids, SamplingParams(max_tokens=1, temperature=0.0))
+    while engine.has_unfinished():
+        engine.step()
+    engine.add_request("scored", prompt_ids, SamplingParams(max_tokens=2, temperature=0.0), prompt_logprobs=3)
+    engine.add_request("plain", prompt_ids[:70], SamplingParams(max_tokens=2, temperature=0.0))
+    final = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            final[out.request_id] = out
+    scored, plain = final["scored"], final["plain"]
+    assert plain.prompt_logprobs is None and plain.metrics.num_cached_tokens > 0  # the cache still serves others
+    assert scored.metrics.num_cached_tokens == 0
+    lps = scored.prompt_logprobs
+    assert lps is not None and len(lps) == len(prompt_ids) and lps[0] is None
+    got = np.array([lp.logprob for lp in lps[1:]])
+    assert np.abs(got - expected(reference, prompt_ids)).max() < TOL
+    for i, lp in enumerate(lps[1:]):
+        row, v = reference[i], reference[i, prompt_ids[i + 1]]
+        assert lp.token_id == prompt_ids[i + 1]
+        # rank = 1 + the tokens more likely than this one (a margin for float32 against float64 near-ties)
+        assert int((row > v + TOL).sum()) + 1 <= lp.rank <= int((row > v - TOL).sum()) + 1
+        assert np.abs(np.array([x for _, x in lp.top]) - np.sort(row)[::-1][:3]).max() < TOL
+        assert all(abs(row[t] - x) < TOL for t, x in lp.top)
+    # generation is unchanged by scoring: the same greedy tokens as a request without it
+    engine.add_request("again", prompt_ids, SamplingParams(max_tokens=2, temperature=0.0))
+    while engine.has_unfinished():
+        for out in engine.step():
+            final[out.request_id] = out
+    assert final["again"].token_ids == scored.token_ids
+
+
+@pytest.fixture(scope="module")
+def server(demo_artifact: Path) -> Iterator[ServerProcess]:
+    s = ServerProcess(demo_artifact, "--api-key", "k" * 8)
+    yield s
+    s.kill()
+
+
+def _post(server: ServerProcess, body: dict) -> tuple[int, dict]:
+    status, _, parsed = post(server.port, "/v1/completions", {"model": MODEL, **body},
+                             headers={"Authorization": "Bearer " + "k" * 8})
+    return status, parsed
+
+
+def test_harness_loglikelihood_request(server: ServerProcess, prompt_ids: list[int], reference: np.ndarray) -> None:
+    """The request lm-evaluation-harness sends: the prompt's logprobs lead the logprobs object, then the
+    one generated token's; `token_logprobs[ctxlen:-1]` is what the harness sums."""
+    status, r = _post(server, {"prompt": [prompt_ids], "echo": True, "logprobs": 1, "max_tokens": 1,
+                               "temperature": 0})
+    assert status == 200, r
+    lp = r["choices"][0]["logprobs"]
+    n = len(prompt_ids)
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == n + 1
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    got = np.array(lp["token_logprobs"][1:n])
+    assert np.abs(got - expected(reference, prompt_ids)).max() < TOL
+    for chosen, top in zip(lp["token_logprobs"][1:], lp["top_logprobs"][1:], strict=True):
+        assert len(top) >= 1 and max(top.values()) >= chosen - 1e-9
+    pieces = np.cumsum([0] + [len(t) for t in lp["tokens"]])[:-1]
+    assert lp["text_offset"] == pieces.tolist()  # each token's start in the pieces' concatenation
+    assert r["usage"]["completion_tokens"] == 1
+
+
+def test_max_tokens_zero_scores_the_prompt_alone(server: ServerProcess, prompt_ids: list[int],
+                                                reference: np.ndarray) -> None:
+    status, r = _post(server, {"prompt": prompt_ids, "echo": True, "logprobs": 0, "max_tokens": 0})
+    assert status == 200, r
+    choice = r["choices"][0]
+    lp = choice["logprobs"]
+    assert len(lp["token_logprobs"]) == len(prompt_ids) and choice["finish_reason"] == "length"
+    assert np.abs(np.array(lp["token_logprobs"][1:]) - expected(reference, prompt_ids)).max() < TOL
+    assert r["usage"]["completion_tokens"] == 0 and r["usage"]["total_tokens"] == len(prompt_ids)
+    status, plain = _post(server, {"prompt": prompt_ids, "echo": True, "max_tokens": 0})
+    assert status == 200 and plain["choices"][0]["text"] == choice["text"]  # the prompt's text, nothing after
+
+
+def test_vllm_prompt_logprobs_field(server: ServerProcess, prompt_ids: list[int], reference: np.ndarray) -> None:
+    status, r = _post(server, {"prompt": prompt_ids, "prompt_logprobs": 2, "max_tokens": 1, "temperature": 0})
+    assert status == 200, r
+    entries = r["choices"][0]["prompt_logprobs"]
+    assert len(entries) == len(prompt_ids) and entries[0] is None
+    assert r["choices"][0]["logprobs"] is None  # generated-token logprobs were not asked for
+    for i, entry in enumerate(entries[1:]):
+        own = entry[str(prompt_ids[i + 1])]
+        assert abs(own["logprob"] - reference[i, prompt_ids[i + 1]]) < TOL and own["rank"] >= 1
+        assert len(entry) <= 3 and {v["rank"] for k, v in entry.items() if k != str(prompt_ids[i + 1])} <= {1, 2}
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"echo": True, "logprobs": 1, "stream": True}, "stream"),
+    ({"prompt_logprobs": 1, "stream": True}, "stream"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": 0, "echo": True, "stream": True}, "max_tokens"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"),
+])
+def test_what_prompt_scoring_refuses(server: ServerProcess, body: dict, param: str) -> None:
+    status, r = _post(server, {"prompt": "import os", "max_tokens": 4, **body})
+    assert status == 400 and r["error"]["param"] == param, r
