@@ -5,6 +5,9 @@ Endpoints:
     POST /v1/completions        prompt (a string, one string in a list, token ids, or one list of ids)
     POST /v1/chat/completions   messages, rendered with the tokenizer's chat template
     GET  /v1/models             the served model (id = artifact name unless --served-model-name)
+    POST /tokenize              vLLM's shape: prompt or messages -> token ids (also under /v1)
+    POST /detokenize            token ids -> text (also under /v1)
+    GET  /tokenizer_info        the tokenizer's config, context and vocabulary size (also under /v1)
     GET  /health                200 while the process and its engine thread are alive (liveness)
     GET  /ready                 200 once the artifact is verified, loaded and warmed up, and not draining
     GET  /metrics               Prometheus text (runtime/metrics.py)
@@ -585,6 +588,7 @@ class Server:
         self.engine: AsyncEngine | None = None
         self.codec: TextCodec | None = None
         self.chat: ChatTemplate | None = None
+        self.tokenizer_config: dict[str, Any] = {}
         self.max_model_len = 0
         self.max_prompt_chars = 0  # longer prompt texts cannot fit the context (refused untokenized)
         self.block_size = 1
@@ -629,6 +633,7 @@ class Server:
                            threads=c.threads, device=c.device, graphs=c.cuda_graphs)
         self.codec = TextCodec(artifact.tokenizer_dir)
         self.chat = ChatTemplate(engine.tokenizer.config)
+        self.tokenizer_config = dict(engine.tokenizer.config)
         return engine, warm_up(engine) if c.warmup else 0.0
 
     async def load(self) -> str:
@@ -700,6 +705,10 @@ class Server:
         app.router.add_get("/v1/models/{model:.+}", self.model)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
+        for prefix in ("", "/v1"):  # vLLM serves these at the root; clients also try them under /v1
+            app.router.add_post(f"{prefix}/tokenize", self.tokenize)
+            app.router.add_post(f"{prefix}/detokenize", self.detokenize)
+            app.router.add_get(f"{prefix}/tokenizer_info", self.tokenizer_info)
         if self.config.cors_origins:
             app.router.add_route("OPTIONS", "/v1/{tail:.*}", self.preflight)
         return app
@@ -811,6 +820,59 @@ class Server:
             raise APIError(ErrorKind.NOT_FOUND, f"model {request.match_info['model']!r} is not served here "
                            f"(serving {self.model_id!r})", param="model", code="model_not_found")
         return web.json_response(self._model_card(), dumps=_dumps)
+
+    # ---- the tokenizer (vLLM's /tokenize, /detokenize, /tokenizer_info) -------------------------
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """{"prompt": text} or {"messages": [...]} (rendered with the chat template, add_generation_prompt)
+        -> {"count", "max_model_len", "tokens"[, "token_strs"]}. `add_special_tokens` (default: true for a
+        prompt, the template's own choice for messages) says whether the tokenizer adds BOS and the like,
+        exactly as the completion endpoints do for the same text."""
+        _engine, codec = self._admitting()
+        body = await self._body(request)
+        if "messages" in body:
+            messages = _messages(body)
+            if self.chat is None:  # pragma: no cover - set together with the codec
+                raise APIError(ErrorKind.UNAVAILABLE, "the model is loading", code="not_ready", retry_after=1)
+            self._fits(sum(len(m["content"]) for m in messages), "messages")
+            loop = asyncio.get_running_loop()
+            text, add_special = await loop.run_in_executor(self._pool, self.chat.render, messages)
+        else:
+            text = body.get("prompt", _MISSING)
+            if text is _MISSING:
+                raise _invalid("prompt (a string) or messages is required", "prompt", "missing_field")
+            _text(text, "prompt")
+            self._fits(len(text), "prompt")
+            add_special = True
+        if "add_special_tokens" in body:
+            add_special = _bool(body, "add_special_tokens", True)
+        ids = await self._encode(codec, text, add_special)
+        out: dict[str, Any] = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
+        if _bool(body, "return_token_strs", False):
+            out["token_strs"] = [codec.piece(t) for t in ids]
+        return web.json_response(out, dumps=_dumps)
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """{"tokens": [ids]} -> {"prompt": text} (special tokens kept, as the completion endpoints decode)."""
+        _engine, codec = self._admitting()
+        body = await self._body(request)
+        tokens = body.get("tokens", _MISSING)
+        if tokens is _MISSING:
+            raise _invalid("tokens (a list of token ids) is required", "tokens", "missing_field")
+        if not isinstance(tokens, list) or not all(_is_int(t) and 0 <= t < codec.vocab_size for t in tokens):
+            raise _invalid(f"tokens must be a list of token ids in [0, {codec.vocab_size})", "tokens")
+        loop = asyncio.get_running_loop()
+        text = await loop.run_in_executor(self._pool, codec.decode, list(tokens))
+        return web.json_response({"prompt": text}, dumps=_dumps)
+
+    async def tokenizer_info(self, request: web.Request) -> web.Response:
+        """The artifact's tokenizer_config.json (special tokens, chat template, tokenizer class) plus the
+        served context and vocabulary size."""
+        _engine, codec = self._admitting()
+        config = dict(self.tokenizer_config)
+        config.setdefault("model_max_length", self.max_model_len)
+        return web.json_response({**config, "max_model_len": self.max_model_len, "vocab_size": codec.vocab_size},
+                                 dumps=_dumps)
 
     # ---- request parsing ----------------------------------------------------------------------
 

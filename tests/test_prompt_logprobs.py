@@ -8,6 +8,7 @@ What evaluation harnesses send for loglikelihood tasks (lm-evaluation-harness `l
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import pytest
 import torch
 import transformers
 from conftest import DEMO_MODEL
-from test_server import MODEL, ServerProcess, post
+from test_server import API_KEY, MODEL, ServerProcess, post
 
 from runtime.engine import LLMEngine
 from runtime.sampling import SamplingParams
@@ -83,14 +84,13 @@ def test_engine_prompt_logprobs_match_transformers_with_a_warm_prefix_cache(
 
 @pytest.fixture(scope="module")
 def server(demo_artifact: Path) -> Iterator[ServerProcess]:
-    s = ServerProcess(demo_artifact, "--api-key", "k" * 8)
+    s = ServerProcess(demo_artifact, "--api-key", API_KEY)
     yield s
     s.kill()
 
 
 def _post(server: ServerProcess, body: dict) -> tuple[int, dict]:
-    status, _, parsed = post(server.port, "/v1/completions", {"model": MODEL, **body},
-                             headers={"Authorization": "Bearer " + "k" * 8})
+    status, _, parsed = post(server.port, "/v1/completions", {"model": MODEL, **body})
     return status, parsed
 
 
@@ -148,3 +148,29 @@ def test_vllm_prompt_logprobs_field(server: ServerProcess, prompt_ids: list[int]
 def test_what_prompt_scoring_refuses(server: ServerProcess, body: dict, param: str) -> None:
     status, r = _post(server, {"prompt": "import os", "max_tokens": 4, **body})
     assert status == 400 and r["error"]["param"] == param, r
+
+
+def test_tokenizer_endpoints(server: ServerProcess, demo_artifact: Path) -> None:
+    """vLLM's /tokenize, /detokenize and /tokenizer_info: the ids the completion endpoints would use."""
+    from runtime.engine import Tokenizer
+
+    tok = Tokenizer(demo_artifact / "tokenizer")
+    text = "def f(x):\n    return x + 1\n"
+    for path in ("/tokenize", "/v1/tokenize"):
+        status, _, r = post(server.port, path, {"model": MODEL, "prompt": text, "return_token_strs": True})
+        assert status == 200 and r["tokens"] == tok.encode(text) and r["count"] == len(r["tokens"])
+        assert r["max_model_len"] == 1024 and len(r["token_strs"]) == r["count"]
+    status, _, bare = post(server.port, "/tokenize", {"prompt": text, "add_special_tokens": False})
+    assert status == 200 and bare["tokens"] == tok.encode(text, add_special_tokens=False)
+    status, _, chat = post(server.port, "/tokenize", {"messages": [{"role": "user", "content": "x = 1"}]})
+    assert status == 200 and chat["count"] > 3
+    status, _, back = post(server.port, "/detokenize", {"tokens": r["tokens"]})
+    assert status == 200 and back["prompt"] == tok.decode(r["tokens"])
+    status, _, bad = post(server.port, "/detokenize", {"tokens": [10**9]})
+    assert status == 400 and bad["error"]["param"] == "tokens"
+    import http.client
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    conn.request("GET", "/tokenizer_info")
+    info = json.loads(conn.getresponse().read())
+    conn.close()
+    assert info["max_model_len"] == 1024 and info["vocab_size"] == tok.vocab_size
