@@ -65,6 +65,9 @@ class RequestOutput:
     # per prompt token, None for the first (nothing predicts it), else its logprob given the tokens before
     # it plus the top N.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # Only for requests added with `logprobs=N` that ended on EOS or a stop token id: that token's logprob
+    # (the token itself is not in token_ids or the text; OpenAI and vLLM list it among the logprobs).
+    stop_logprob: TokenLogprob | None = None
 
 
 @dataclass
@@ -105,6 +108,7 @@ class _Request:
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
     num_prompt_logprobs: int | None = None  # None: none; N: each prompt token's logprob + top N
     prompt_logprobs: list[TokenLogprob | None] | None = None  # filled chunk by chunk during the prefill
+    stop_logprob: TokenLogprob | None = None  # the logprob of the EOS / stop token that ended it
 
 
 def load_tokenizer(folder: Path) -> Any:
@@ -357,6 +361,7 @@ class LLMEngine:
         self.stats["generation_tokens"] += 1
         if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
             r.status = RequestStatus.FINISHED_STOPPED
+            r.stop_logprob = lp
         else:
             r.output_ids.append(tok)
             if lp is not None:
@@ -408,6 +413,7 @@ class LLMEngine:
             new_logprobs=new_logprobs,
             metrics=r.metrics,
             prompt_logprobs=r.prompt_logprobs,
+            stop_logprob=r.stop_logprob if finished else None,
         )
 
 

@@ -870,6 +870,9 @@ class Server:
         served context and vocabulary size."""
         _engine, codec = self._admitting()
         config = dict(self.tokenizer_config)
+        for name in ("bos_token", "eos_token", "pad_token", "unk_token"):  # as strings (an AddedToken dict there)
+            if name in config:
+                config[name] = _special(config, name) or None
         config.setdefault("model_max_length", self.max_model_len)
         return web.json_response({**config, "max_model_len": self.max_model_len, "vocab_size": codec.vocab_size},
                                  dumps=_dumps)
@@ -1106,6 +1109,8 @@ class Server:
                         async for out in stream:
                             if out.new_logprobs:
                                 lps.extend(out.new_logprobs)
+                            if out.stop_logprob is not None and not chat:  # the EOS / stop token, as OpenAI lists it
+                                lps.append(out.stop_logprob)
                             final = out
                 except TimeoutError:
                     stream.abort_reason = "timeout"
@@ -1302,7 +1307,7 @@ class _CompletionFormat(_Format):
         return [self.envelope(self.chunk_object, [self._choice(self.echo, None, None)])]
 
     def chunk(self, out: RequestOutput, logprobs: bool) -> dict[str, Any] | None:
-        lps = (out.new_logprobs or []) if logprobs else None
+        lps = (out.new_logprobs or []) + ([out.stop_logprob] if out.stop_logprob else []) if logprobs else None
         if not out.new_text and not out.finished and not lps:
             return None
         return self.envelope(self.chunk_object, [self._choice(out.new_text, lps, out.finish_reason)])

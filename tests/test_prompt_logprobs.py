@@ -174,3 +174,20 @@ def test_tokenizer_endpoints(server: ServerProcess, demo_artifact: Path) -> None
     info = json.loads(conn.getresponse().read())
     conn.close()
     assert info["max_model_len"] == 1024 and info["vocab_size"] == tok.vocab_size
+
+
+def test_a_stop_token_is_listed_among_the_logprobs(server: ServerProcess, prompt_ids: list[int]) -> None:
+    """A completion that ends on EOS or a stop token id lists that token's logprob last, as OpenAI and vLLM do
+    (lm-evaluation-harness reads `token_logprobs[ctxlen:-1]`: a missing last entry would cut a prompt token)."""
+    status, free = _post(server, {"prompt": prompt_ids, "max_tokens": 1, "temperature": 0, "logprobs": 1})
+    assert status == 200
+    first = free["choices"][0]["logprobs"]
+    stop_id = post(server.port, "/tokenize", {"prompt": first["tokens"][0], "add_special_tokens": False})[2]["tokens"]
+    status, r = _post(server, {"prompt": prompt_ids, "max_tokens": 1, "temperature": 0, "echo": True, "logprobs": 1,
+                               "stop_token_ids": stop_id[:1]})
+    assert status == 200
+    choice = r["choices"][0]
+    lp = choice["logprobs"]
+    assert choice["finish_reason"] == "stop" and r["usage"]["completion_tokens"] == 0
+    assert len(lp["token_logprobs"]) == len(prompt_ids) + 1  # the prompt, then the stop token
+    assert lp["tokens"][-1] == first["tokens"][0] and abs(lp["token_logprobs"][-1] - first["token_logprobs"][0]) < 1e-6
