@@ -2,7 +2,7 @@
 
 Endpoints:
 
-    POST /v1/completions        prompt (a string, one string in a list, token ids, or one list of ids)
+    POST /v1/completions        prompt (a string, token ids, or a list of up to 64 of those; several not streamed)
     POST /v1/chat/completions   messages, rendered with the tokenizer's chat template
     GET  /v1/models             the served model (id = artifact name unless --served-model-name)
     POST /tokenize              vLLM's shape: prompt or messages -> token ids (also under /v1)
@@ -13,7 +13,7 @@ Endpoints:
     GET  /metrics               Prometheus text (runtime/metrics.py)
 
 Request fields: max_tokens (chat: also max_completion_tokens), temperature (default 1), top_p,
-top_k (extension; -1 or 0 = off), seed, stop (a string or a list), n (only 1), stream,
+top_k (extension; -1 or 0 = off), seed, stop (a string or a list), n (1..16; above 1 not streamed), stream,
 stream_options.include_usage, logprobs (completions: 0..20 alternatives; chat: bool with
 top_logprobs 0..20), echo (completions; with logprobs the prompt's tokens lead the logprobs object,
 not streamed; max_tokens 0 with echo scores the prompt alone), and the vLLM extensions prompt_logprobs
@@ -54,8 +54,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import enum
+import hashlib
 import hmac
 import json
 import logging
@@ -106,6 +108,8 @@ HEALTH_PATH = "/health"
 READY_PATH = "/ready"
 METRICS_PATH = "/metrics"
 MAX_LOGPROBS = 20
+MAX_PROMPTS = 64  # prompts in one completions request
+MAX_N = 16  # choices per prompt
 MAX_STOP = 16  # default --max-stop-strings
 MAX_STOP_CHARS = 256  # default --max-stop-chars (each stop string)
 
@@ -345,6 +349,12 @@ class _Parsed:
     echo_logprobs: bool = False  # echo + logprobs: the prompt's tokens lead the logprobs object
     vllm_prompt_logprobs: bool = False  # prompt_logprobs: the choice's `prompt_logprobs` list (vLLM's shape)
     score_only: bool = False  # max_tokens 0 with echo: the engine generates one token, which is not returned
+    n: int = 1  # choices per prompt
+    more: list[tuple[list[int], str | None]] = dataclasses.field(default_factory=list)  # prompts 2.. (ids, echo)
+
+    @property
+    def num_choices(self) -> int:
+        return (1 + len(self.more)) * self.n
 
 
 # --------------------------------------------------------------------------------------------
@@ -936,9 +946,6 @@ class Server:
             raise _invalid(f"prompt + max_tokens = {prompt_len + max_tokens} tokens need {blocks} KV blocks of "
                            f"{self.block_size}; this server's pool has {self.num_blocks}", "max_tokens",
                            "context_length_exceeded")
-        n = _int(body, "n", 1)
-        if n != 1:
-            raise _invalid(f"n must be 1 (one choice per request), got {n}", "n", "unsupported_value")
         top_k = _int(body, "top_k", 0, lo=-1)
         ids = body.get("stop_token_ids") or []
         if not isinstance(ids, list) or not all(_is_int(t) and 0 <= t < vocab for t in ids):
@@ -997,6 +1004,40 @@ class Server:
             raise _invalid("prompt is required", "prompt", "missing_field")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
             prompt = prompt[0]  # one prompt given as a batch of one
+        if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(t, str | list) for t in prompt):
+            if len(prompt) > MAX_PROMPTS:
+                raise _invalid(f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}", "prompt")
+            batch = [await self._one_prompt(item, codec) for item in prompt]
+        else:
+            batch = [await self._one_prompt(prompt, codec)]
+        ids = batch[0]
+        stream, include_usage = self._stream_flags(body)
+        n = _int(body, "n", 1, lo=1, hi=MAX_N)
+        if (len(batch) > 1 or n > 1) and stream:
+            raise _invalid("several prompts or n > 1 are not streamed; send the request with stream=false",
+                           "stream", "unsupported_value")
+        logprobs = _int(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS)
+        echo = _bool(body, "echo", False)
+        vllm_prompt = _int(body, "prompt_logprobs", None, lo=0, hi=MAX_LOGPROBS)
+        echo_logprobs = echo and logprobs is not None
+        scored = [k for k in (logprobs if echo_logprobs else None, vllm_prompt) if k is not None]
+        if scored and stream:
+            raise _invalid("prompt logprobs (echo with logprobs, or prompt_logprobs) are not streamed; "
+                           "send the request with stream=false", "stream", "unsupported_value")
+        max_tokens = _int(body, "max_tokens", 16, lo=0)
+        score_only = max_tokens == 0
+        if score_only and (not echo or stream):
+            raise _invalid("max_tokens 0 is only allowed with echo=true (the prompt alone) and stream=false",
+                           "max_tokens")
+        params = self._sampling(body, max(len(b) for b in batch), max(max_tokens, 1), codec.vocab_size, "prompt")
+        texts = [(item if isinstance(item, str) else codec.decode(b)) if echo else None
+                 for item, b in zip(prompt if len(batch) > 1 else [prompt], batch, strict=True)]
+        return _Parsed(ids, params, stream, include_usage, logprobs, texts[0], max(scored) if scored else None,
+                       echo_logprobs, vllm_prompt is not None, score_only, n, list(zip(batch[1:], texts[1:],
+                                                                                          strict=True)))
+
+    async def _one_prompt(self, prompt: Any, codec: TextCodec) -> list[int]:
+        """The token ids of one prompt: a string (tokenized with special tokens) or a list of token ids."""
         if isinstance(prompt, str):
             _text(prompt, "prompt")
             self._fits(len(prompt), "prompt")
@@ -1010,32 +1051,12 @@ class Server:
             bad = next(i for i, t in enumerate(prompt) if not _is_int(t))
             raise _invalid(f"prompt token ids must be integers, got {_show(prompt[bad])} at prompt[{bad}]", "prompt",
                            "invalid_type")
-        elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(t, str | list) for t in prompt):
-            raise _invalid("one prompt per request (batches of prompts are not supported)", "prompt",
-                           "unsupported_value")
         else:
-            raise _invalid("prompt must be a string, a list of token ids, or a list holding one of those",
+            raise _invalid("prompt must be a string, a list of token ids, or a list of those",
                            "prompt", "invalid_type")
         if not ids:
             raise _invalid("the prompt is empty", "prompt")
-        stream, include_usage = self._stream_flags(body)
-        logprobs = _int(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS)
-        echo = _bool(body, "echo", False)
-        vllm_prompt = _int(body, "prompt_logprobs", None, lo=0, hi=MAX_LOGPROBS)
-        echo_logprobs = echo and logprobs is not None
-        scored = [n for n in (logprobs if echo_logprobs else None, vllm_prompt) if n is not None]
-        if scored and stream:
-            raise _invalid("prompt logprobs (echo with logprobs, or prompt_logprobs) are not streamed; "
-                           "send the request with stream=false", "stream", "unsupported_value")
-        max_tokens = _int(body, "max_tokens", 16, lo=0)
-        score_only = max_tokens == 0
-        if score_only and (not echo or stream):
-            raise _invalid("max_tokens 0 is only allowed with echo=true (the prompt alone) and stream=false",
-                           "max_tokens")
-        params = self._sampling(body, len(ids), max(max_tokens, 1), codec.vocab_size, "prompt")
-        echo_text = (prompt if isinstance(prompt, str) else codec.decode(ids)) if echo else None
-        return _Parsed(ids, params, stream, include_usage, logprobs, echo_text, max(scored) if scored else None,
-                       echo_logprobs, vllm_prompt is not None, score_only)
+        return ids
 
     async def _parse_chat(self, body: dict[str, Any], codec: TextCodec) -> _Parsed:
         _refuse_unsupported(body)
@@ -1057,7 +1078,10 @@ class Server:
         if max_tokens is None:
             max_tokens = _int(body, "max_tokens", None, lo=1)
         params = self._sampling(body, len(ids), max_tokens, codec.vocab_size, "messages")
-        return _Parsed(ids, params, stream, include_usage, (top or 0) if want else None, None)
+        n = _int(body, "n", 1, lo=1, hi=MAX_N)
+        if n > 1 and stream:
+            raise _invalid("n > 1 is not streamed; send the request with stream=false", "stream", "unsupported_value")
+        return _Parsed(ids, params, stream, include_usage, (top or 0) if want else None, None, n=n)
 
     def _cache_salt(self, request: web.Request, body: dict[str, Any]) -> str | None:
         """The request's prefix-cache salt: the --cache-salt-header value and the body's cache_salt."""
@@ -1094,6 +1118,8 @@ class Server:
         parsed = await (self._parse_chat(body, codec) if chat else self._parse_completion(body, codec))
         salt = self._cache_salt(request, body)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        if parsed.num_choices > 1:
+            return await self._generate_many(request, engine, codec, parsed, rid, salt, arrival, chat)
         req = GenerateRequest(rid, parsed.prompt_ids, parsed.params, parsed.logprobs, arrival, cache_salt=salt,
                               client=request.remote or "", prompt_logprobs=parsed.prompt_logprobs)
         fmt = _ChatFormat(self, rid, codec) if chat else _CompletionFormat(self, rid, codec, parsed.echo_text, parsed)
@@ -1130,6 +1156,80 @@ class Server:
         except ValueError as exc:  # refused by the engine itself
             raise _invalid(str(exc)) from None
         # Written here, under the write timeout, rather than by aiohttp after the handler returns.
+        _allow_origin(request, resp)
+        try:
+            async with asyncio.timeout(self.config.write_timeout):
+                await resp.prepare(request)
+                await resp.write_eof()
+        except TimeoutError:
+            self._cut(request, rid)
+        return resp
+
+    async def _generate_many(self, request: web.Request, engine: AsyncEngine, codec: TextCodec, parsed: _Parsed,
+                             rid: str, salt: str | None, arrival: float, chat: bool) -> web.StreamResponse:
+        """Several prompts and/or n > 1 (not streamed): one engine request per choice, run together. Choice
+        k = prompt index * n + j; with a seed, choice j of a prompt samples with seed_for(seed, j) (j = 0 keeps
+        the seed itself, so n = 1 gives what a single request gives); usage sums the prompts once each and
+        every choice's completion."""
+        prompts = [(parsed.prompt_ids, parsed.echo_text), *parsed.more]
+        jobs = []
+        for ids, echo in prompts:
+            for j in range(parsed.n):
+                params = parsed.params if j == 0 or parsed.params.seed is None else \
+                    dataclasses.replace(parsed.params, seed=seed_for(parsed.params.seed, j))
+                one = dataclasses.replace(parsed, prompt_ids=ids, echo_text=echo, params=params, n=1, more=[])
+                req = GenerateRequest(f"{rid}-{len(jobs)}", ids, params, parsed.logprobs, arrival, cache_salt=salt,
+                                      client=request.remote or "", prompt_logprobs=parsed.prompt_logprobs)
+                fmt: _Format = _ChatFormat(self, rid, codec) if chat else _CompletionFormat(self, rid, codec, echo, one)
+                jobs.append((req, fmt))
+
+        async def collect(stream: RequestStream) -> tuple[RequestOutput, list[TokenLogprob]]:
+            lps: list[TokenLogprob] = []
+            final: RequestOutput | None = None
+            async for out in stream:
+                lps.extend(out.new_logprobs or [])
+                if out.stop_logprob is not None and not chat:
+                    lps.append(out.stop_logprob)
+                final = out
+            if final is None or not final.finished:
+                raise APIError(ErrorKind.INTERNAL, "the engine ended a request without a final output",
+                               code="internal_error")
+            return final, lps
+
+        deadline = self.config.request_timeout
+        try:
+            async with contextlib.AsyncExitStack() as stack:
+                streams = [await stack.enter_async_context(engine.generate(req)) for req, _ in jobs]
+                try:
+                    async with asyncio.timeout(deadline):
+                        results = await asyncio.gather(*(collect(st) for st in streams))
+                except TimeoutError:
+                    for st in streams:
+                        st.abort_reason = "timeout"
+                    raise APIError(ErrorKind.TIMEOUT, f"the request took longer than {deadline:g} s",
+                                   code="request_timeout") from None
+        except QueueFull as exc:
+            raise self._queue_full(engine, exc) from None
+        except EngineDeadError as exc:
+            raise APIError(ErrorKind.UNAVAILABLE, str(exc), code="engine_dead") from None
+        except ServerShuttingDown as exc:
+            raise APIError(ErrorKind.UNAVAILABLE, str(exc), code="shutting_down") from None
+        except ValueError as exc:
+            raise _invalid(str(exc)) from None
+        choices, prompt_tokens, completion_tokens, cached = [], 0, 0, 0
+        for k, ((_, fmt), (final, lps)) in enumerate(zip(jobs, results, strict=True)):
+            body = fmt.response(final, lps if parsed.logprobs is not None else None)
+            choice = {**body["choices"][0], "index": k}
+            choices.append(choice)
+            completion_tokens += body["usage"]["completion_tokens"]
+            if k % parsed.n == 0:  # each prompt once
+                prompt_tokens += body["usage"]["prompt_tokens"]
+                cached += body["usage"]["prompt_tokens_details"]["cached_tokens"]
+        first = jobs[0][1]
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                 "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
+        resp = web.json_response({**first.envelope("chat.completion" if chat else "text_completion", choices),
+                                  "usage": usage}, dumps=_dumps)
         _allow_origin(request, resp)
         try:
             async with asyncio.timeout(self.config.write_timeout):
@@ -1200,6 +1300,12 @@ def _allow_origin(request: web.Request, resp: web.StreamResponse) -> None:
 
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
+
+
+def seed_for(seed: int, choice: int) -> int:
+    """The seed of choice `choice` (>= 1) of a request with `seed`: distinct per choice, the same every time."""
+    digest = hashlib.blake2b(f"{seed}:{choice}".encode(), digest_size=8, person=b"choice-seed").digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
 def _event(obj: dict[str, Any]) -> bytes:

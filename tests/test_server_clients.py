@@ -1,5 +1,6 @@
-"""Prompt logprobs: the engine's `prompt_logprobs=N` and the server's `echo` + `logprobs`, `max_tokens: 0`
-and vLLM's `prompt_logprobs`, against transformers' log-softmax of the same prompt (the demo model, fp32).
+"""What real clients send: prompt logprobs (the engine's `prompt_logprobs=N`; the server's `echo` + `logprobs`,
+`max_tokens: 0` and vLLM's `prompt_logprobs`) against transformers' log-softmax of the same prompt (the demo
+model, fp32); vLLM's tokenizer endpoints; several prompts per request and n > 1.
 
 What evaluation harnesses send for loglikelihood tasks (lm-evaluation-harness `local-completions`):
 `{"prompt": [[ids...]], "echo": true, "logprobs": 1, "max_tokens": 1, "temperature": 0}`, then they read
@@ -191,3 +192,38 @@ def test_a_stop_token_is_listed_among_the_logprobs(server: ServerProcess, prompt
     assert choice["finish_reason"] == "stop" and r["usage"]["completion_tokens"] == 0
     assert len(lp["token_logprobs"]) == len(prompt_ids) + 1  # the prompt, then the stop token
     assert lp["tokens"][-1] == first["tokens"][0] and abs(lp["token_logprobs"][-1] - first["token_logprobs"][0]) < 1e-6
+
+
+# ---- several prompts per request, n > 1 -----------------------------------------------------------------
+
+
+def test_a_batch_of_prompts_equals_the_prompts_one_by_one(server: ServerProcess) -> None:
+    prompts = ["def fibonacci(n):\n    if", "import os\nimport", "class Foo:\n    def", "x = [1, 2,"]
+    ids = post(server.port, "/tokenize", {"prompt": prompts[1]})[2]["tokens"]
+    batch = [prompts[0], ids, prompts[2], prompts[3]]  # strings and token ids mixed
+    status, r = _post(server, {"prompt": batch, "max_tokens": 12, "temperature": 0, "logprobs": 1})
+    assert status == 200, r
+    assert [c["index"] for c in r["choices"]] == [0, 1, 2, 3]
+    singles = [_post(server, {"prompt": p, "max_tokens": 12, "temperature": 0, "logprobs": 1})[1] for p in batch]
+    assert [c["text"] for c in r["choices"]] == [s["choices"][0]["text"] for s in singles]
+    for c, single in zip(r["choices"], singles, strict=True):
+        assert c["logprobs"]["tokens"] == single["choices"][0]["logprobs"]["tokens"]
+    assert r["usage"]["prompt_tokens"] == sum(s["usage"]["prompt_tokens"] for s in singles)
+    assert r["usage"]["completion_tokens"] == sum(s["usage"]["completion_tokens"] for s in singles)
+
+
+def test_n_choices_with_a_seed_are_distinct_and_reproducible(server: ServerProcess) -> None:
+    body = {"prompt": ["def f(x):\n", "import"], "max_tokens": 16, "temperature": 1.0, "seed": 7, "n": 4}
+    status, a = _post(server, body)
+    assert status == 200, a
+    status, b = _post(server, body)
+    texts = [c["text"] for c in a["choices"]]
+    assert [c["index"] for c in a["choices"]] == list(range(8)) and texts == [c["text"] for c in b["choices"]]
+    assert len(set(texts[:4])) > 1 and len(set(texts[4:])) > 1  # the choices of one prompt differ
+    # choice 0 of each prompt is what a request with that seed alone gives
+    status, one = _post(server, {**body, "prompt": "import", "n": 1})
+    assert one["choices"][0]["text"] == texts[4]
+    status, _, chat = post(server.port, "/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": "x = 1"}], "max_tokens": 8, "n": 3, "seed": 3})
+    assert status == 200 and [c["index"] for c in chat["choices"]] == [0, 1, 2]
+    assert all(c["message"]["role"] == "assistant" for c in chat["choices"])
