@@ -350,6 +350,7 @@ class _Parsed:
     vllm_prompt_logprobs: bool = False  # prompt_logprobs: the choice's `prompt_logprobs` list (vLLM's shape)
     score_only: bool = False  # max_tokens 0 with echo: the engine generates one token, which is not returned
     n: int = 1  # choices per prompt
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats
     more: list[tuple[list[int], str | None]] = dataclasses.field(default_factory=list)  # prompts 2.. (ids, echo)
 
     @property
@@ -988,6 +989,12 @@ class Server:
             raise _invalid("stream_options is only allowed with stream=true", "stream_options")
         return stream, _bool(opts, "include_usage", False)
 
+    @staticmethod
+    def _continuous_usage(body: dict[str, Any]) -> bool:
+        """stream_options.continuous_usage_stats (vLLM): every chunk carries the usage so far."""
+        opts = body.get("stream_options")
+        return isinstance(opts, dict) and _bool(opts, "continuous_usage_stats", False)
+
     def _fits(self, chars: int, param: str) -> None:
         """Refuse a text that cannot fit the context before tokenizing it (cheap, on the event loop)."""
         if chars > self.max_prompt_chars:
@@ -1004,12 +1011,13 @@ class Server:
             raise _invalid("prompt is required", "prompt", "missing_field")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
             prompt = prompt[0]  # one prompt given as a batch of one
+        add_special = _bool(body, "add_special_tokens", True)  # BOS and the like on string prompts (vLLM's default)
         if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(t, str | list) for t in prompt):
             if len(prompt) > MAX_PROMPTS:
                 raise _invalid(f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}", "prompt")
-            batch = [await self._one_prompt(item, codec) for item in prompt]
+            batch = [await self._one_prompt(item, codec, add_special) for item in prompt]
         else:
-            batch = [await self._one_prompt(prompt, codec)]
+            batch = [await self._one_prompt(prompt, codec, add_special)]
         ids = batch[0]
         stream, include_usage = self._stream_flags(body)
         n = _int(body, "n", 1, lo=1, hi=MAX_N)
@@ -1033,15 +1041,16 @@ class Server:
         texts = [(item if isinstance(item, str) else codec.decode(b)) if echo else None
                  for item, b in zip(prompt if len(batch) > 1 else [prompt], batch, strict=True)]
         return _Parsed(ids, params, stream, include_usage, logprobs, texts[0], max(scored) if scored else None,
-                       echo_logprobs, vllm_prompt is not None, score_only, n, list(zip(batch[1:], texts[1:],
-                                                                                          strict=True)))
+                       echo_logprobs, vllm_prompt is not None, score_only, n, self._continuous_usage(body),
+                       list(zip(batch[1:], texts[1:], strict=True)))
 
-    async def _one_prompt(self, prompt: Any, codec: TextCodec) -> list[int]:
-        """The token ids of one prompt: a string (tokenized with special tokens) or a list of token ids."""
+    async def _one_prompt(self, prompt: Any, codec: TextCodec, add_special: bool = True) -> list[int]:
+        """The token ids of one prompt: a string (tokenized, with special tokens unless add_special is false)
+        or a list of token ids (taken as they are)."""
         if isinstance(prompt, str):
             _text(prompt, "prompt")
             self._fits(len(prompt), "prompt")
-            ids = await self._encode(codec, prompt)
+            ids = await self._encode(codec, prompt, add_special)
         elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
             if not all(0 <= t < codec.vocab_size for t in prompt):
                 raise _invalid(f"prompt token ids must be in [0, {codec.vocab_size})", "prompt")
@@ -1066,6 +1075,8 @@ class Server:
         self._fits(sum(len(m["content"]) for m in messages), "messages")
         loop = asyncio.get_running_loop()
         text, add_special = await loop.run_in_executor(self._pool, self.chat.render, messages)
+        if "add_special_tokens" in body:  # else the template's own choice (ChatTemplate.render)
+            add_special = _bool(body, "add_special_tokens", False)
         ids = await self._encode(codec, text, add_special)
         if not ids:
             raise _invalid("the rendered chat prompt is empty", "messages")
@@ -1081,7 +1092,8 @@ class Server:
         n = _int(body, "n", 1, lo=1, hi=MAX_N)
         if n > 1 and stream:
             raise _invalid("n > 1 is not streamed; send the request with stream=false", "stream", "unsupported_value")
-        return _Parsed(ids, params, stream, include_usage, (top or 0) if want else None, None, n=n)
+        return _Parsed(ids, params, stream, include_usage, (top or 0) if want else None, None, n=n,
+                       continuous_usage=self._continuous_usage(body))
 
     def _cache_salt(self, request: web.Request, body: dict[str, Any]) -> str | None:
         """The request's prefix-cache salt: the --cache-salt-header value and the body's cache_salt."""
@@ -1268,6 +1280,8 @@ class Server:
                     async for out in stream:
                         chunk = fmt.chunk(out, parsed.logprobs is not None)
                         if chunk is not None:
+                            if parsed.continuous_usage:
+                                chunk["usage"] = fmt.usage(out)
                             await self._send(resp, _event(chunk))
                         if out.finished and parsed.include_usage:
                             await self._send(resp, _event(fmt.usage_chunk(out)))

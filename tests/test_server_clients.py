@@ -227,3 +227,18 @@ def test_n_choices_with_a_seed_are_distinct_and_reproducible(server: ServerProce
         "model": MODEL, "messages": [{"role": "user", "content": "x = 1"}], "max_tokens": 8, "n": 3, "seed": 3})
     assert status == 200 and [c["index"] for c in chat["choices"]] == [0, 1, 2]
     assert all(c["message"]["role"] == "assistant" for c in chat["choices"])
+
+
+def test_add_special_tokens_and_continuous_usage(server: ServerProcess) -> None:
+    text = "import os\n"
+    with_bos = _post(server, {"prompt": text, "max_tokens": 1, "temperature": 0})[1]["usage"]["prompt_tokens"]
+    without = _post(server, {"prompt": text, "max_tokens": 1, "temperature": 0,
+                             "add_special_tokens": False})[1]["usage"]["prompt_tokens"]
+    assert with_bos == without + 1  # the demo tokenizer adds one BOS to a string prompt
+    client = server.client()
+    chunks = list(client.completions.create(
+        model=MODEL, prompt=text, max_tokens=6, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"ignore_eos": True}))
+    counts = [ch.usage.completion_tokens for ch in chunks if ch.choices and ch.usage is not None]
+    assert counts and counts == sorted(counts) and counts[-1] == 6
+    assert all(ch.usage.prompt_tokens == with_bos for ch in chunks if ch.usage is not None)
