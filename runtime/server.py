@@ -1159,15 +1159,23 @@ class Server:
                                    code="internal_error")
                 resp = web.json_response(fmt.response(final, lps if parsed.logprobs is not None else None),
                                          dumps=_dumps)
-        except QueueFull as exc:
-            raise self._queue_full(engine, exc) from None
-        except EngineDeadError as exc:
-            raise APIError(ErrorKind.UNAVAILABLE, str(exc), code="engine_dead") from None
-        except ServerShuttingDown as exc:
-            raise APIError(ErrorKind.UNAVAILABLE, str(exc), code="shutting_down") from None
-        except ValueError as exc:  # refused by the engine itself
-            raise _invalid(str(exc)) from None
-        # Written here, under the write timeout, rather than by aiohttp after the handler returns.
+        except (QueueFull, EngineDeadError, ServerShuttingDown, ValueError) as exc:
+            raise self._engine_error(engine, exc) from None
+        return await self._write(request, resp, rid)
+
+    def _engine_error(self, engine: AsyncEngine, exc: Exception) -> APIError:
+        """The HTTP error for an admission or engine failure (ValueError: refused by the engine itself)."""
+        if isinstance(exc, QueueFull):
+            return self._queue_full(engine, exc)
+        if isinstance(exc, EngineDeadError):
+            return APIError(ErrorKind.UNAVAILABLE, str(exc), code="engine_dead")
+        if isinstance(exc, ServerShuttingDown):
+            return APIError(ErrorKind.UNAVAILABLE, str(exc), code="shutting_down")
+        return _invalid(str(exc))
+
+    async def _write(self, request: web.Request, resp: web.Response, rid: str) -> web.Response:
+        """Send a whole response here, under the write timeout, rather than by aiohttp after the handler
+        returns (a client that stops reading is cut)."""
         _allow_origin(request, resp)
         try:
             async with asyncio.timeout(self.config.write_timeout):
@@ -1220,14 +1228,8 @@ class Server:
                         st.abort_reason = "timeout"
                     raise APIError(ErrorKind.TIMEOUT, f"the request took longer than {deadline:g} s",
                                    code="request_timeout") from None
-        except QueueFull as exc:
-            raise self._queue_full(engine, exc) from None
-        except EngineDeadError as exc:
-            raise APIError(ErrorKind.UNAVAILABLE, str(exc), code="engine_dead") from None
-        except ServerShuttingDown as exc:
-            raise APIError(ErrorKind.UNAVAILABLE, str(exc), code="shutting_down") from None
-        except ValueError as exc:
-            raise _invalid(str(exc)) from None
+        except (QueueFull, EngineDeadError, ServerShuttingDown, ValueError) as exc:
+            raise self._engine_error(engine, exc) from None
         choices, prompt_tokens, completion_tokens, cached = [], 0, 0, 0
         for k, ((_, fmt), (final, lps)) in enumerate(zip(jobs, results, strict=True)):
             body = fmt.response(final, lps if parsed.logprobs is not None else None)
@@ -1242,14 +1244,7 @@ class Server:
                  "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
         resp = web.json_response({**first.envelope("chat.completion" if chat else "text_completion", choices),
                                   "usage": usage}, dumps=_dumps)
-        _allow_origin(request, resp)
-        try:
-            async with asyncio.timeout(self.config.write_timeout):
-                await resp.prepare(request)
-                await resp.write_eof()
-        except TimeoutError:
-            self._cut(request, rid)
-        return resp
+        return await self._write(request, resp, rid)
 
     def _cut(self, request: web.Request, rid: str) -> None:
         """Drop the connection of a client that stopped reading (write_timeout): its request is aborted."""

@@ -189,16 +189,22 @@ def test_int4_fused_matches_unfused(tmp_path: Path) -> None:
     assert greedy(fused, prompts) == greedy(unfused, prompts, verify=False)
 
 
+def build_int8_pair(tmp_path: Path, ckpt: Path, rules: list[str]) -> Path:
+    """W8A8 (per-token activations, lm_head float) with the paged_cpu kernel, fused with `rules` only; the
+    unfused graph beside it at tmp_path / "unfused" (build_both)."""
+    passes = ("  - name: select_attention\n    options: {kernel: paged_cpu}\n  - name: capture\n"
+              "  - name: quantize_int8\n    options: {activations: per_token, ignore: [lm_head]}\n"
+              f"  - name: lower_onnx\n  - name: lower_quant\n  - name: fuse\n    options: {{rules: [{', '.join(rules)}]}}\n"
+              "  - name: package\n")
+    return build_both(write_recipe(tmp_path, ckpt, name="int8", passes=passes), tmp_path / "unfused")
+
+
 def test_int8_projections_fuse_exactly(tmp_path: Path) -> None:
     """W8A8 (MatMulIntegerToFloat, per-token activations) with q/k/v biases: the fused projections compute
     the same integer dot products and scale them by the same numbers, so logits agree to float rounding."""
     ckpt = make_random_checkpoint(tmp_path / "ckpt", "Qwen2ForCausalLM", seed=23)
     randomize_biases(ckpt, seed=5)
-    passes = ("  - name: select_attention\n    options: {kernel: paged_cpu}\n  - name: capture\n"
-              "  - name: quantize_int8\n    options: {activations: per_token, ignore: [lm_head]}\n"
-              "  - name: lower_onnx\n  - name: lower_quant\n  - name: fuse\n    options: {rules: [qkv, gate_up]}\n"
-              "  - name: package\n")
-    fused = build_both(write_recipe(tmp_path, ckpt, name="int8", passes=passes), tmp_path / "unfused")
+    fused = build_int8_pair(tmp_path, ckpt, ["qkv", "gate_up"])
     stats = fuse_stats(fused)
     assert stats["fusions"]["qkv"] == 2 and stats["fusions"]["gate_up"] == 2
     assert stats["op_types"]["com.microsoft.MatMulIntegerToFloat"] == 2 * 2 + 2 * 2  # fused qkv, gate_up + o, down
@@ -219,11 +225,7 @@ def test_int8_row_quantization_as_one_node_is_exact(tmp_path: Path) -> None:
     """optimize.QuantizeRows computes the codes and scales of the six nodes it replaces with the same float
     operations: the logits are identical, not merely close."""
     ckpt = make_random_checkpoint(tmp_path / "ckpt", "LlamaForCausalLM", seed=25)
-    passes = ("  - name: select_attention\n    options: {kernel: paged_cpu}\n  - name: capture\n"
-              "  - name: quantize_int8\n    options: {activations: per_token, ignore: [lm_head]}\n"
-              "  - name: lower_onnx\n  - name: lower_quant\n  - name: fuse\n    options: {rules: [quantize_rows]}\n"
-              "  - name: package\n")
-    fused = build_both(write_recipe(tmp_path, ckpt, name="int8rows", passes=passes), tmp_path / "unfused")
+    fused = build_int8_pair(tmp_path, ckpt, ["quantize_rows"])
     stats = fuse_stats(fused)
     assert stats["fusions"]["quantize_rows"] == 2 * 4  # per layer: the q/k/v input, o_proj's, gate/up's, down's
     assert stats["op_types"]["optimize.QuantizeRows"] == 8
