@@ -69,7 +69,10 @@ STATIC_OPS = {
     "Sum", "Tanh", "Transpose", "Trilu", "Where", "Xor", "SimplifiedLayerNormalization",
     # com.microsoft
     "MatMulNBits", "SkipSimplifiedLayerNormalization", "QuickGelu", "FusedMatMul", "GroupQueryAttention",
-    "PagedAttention",
+    "PagedAttention", "MatMulIntegerToFloat",
+    # optimize (runtime/kernels/paged_attention_cpu.c): output [T, H*D] from the packed input's T; codes and
+    # scales shaped as the input
+    "RotaryPagedAttention", "QuantizeRows",
 }
 
 
