@@ -267,7 +267,7 @@ class LLMEngine:
         if prompt_logprobs is not None:
             req.prompt_logprobs = [None] * len(ids)
             # a root of its own: no block of another request matches, none of its blocks is shared
-            cache_salt = f"prompt-logprobs\0{id(self)}\0{seq_id}"
+            cache_salt = f"prompt-logprobs\0{seq_id}"
         self.scheduler.add(seq_id, ids, cache_root(cache_salt))
         self._requests[request_id] = req
         self._by_seq[seq_id] = req

@@ -77,22 +77,20 @@ def fuse_quantize_rows(g: FusionGraph) -> RuleReport:
             continue
         x, s = m
         div = producers[q.input[0]]
+        mx = producers[s]
+        mul = producers[mx.input[0]]
+        red = producers[mul.input[0]]
+        ab = producers[red.input[0]]
         # the intermediates must serve only the pattern (the scale itself may be read by anyone: it stays)
-        inner = [div.output[0]] + [producers[s].input[0], producers[producers[s].input[0]].input[0],
-                                   producers[producers[producers[s].input[0]].input[0]].input[0]]
-        if any(len(consumers.get(v, [])) != 1 or v in g.graph_outputs for v in inner):
+        if any(len(consumers.get(n.output[0], [])) != 1 or n.output[0] in g.graph_outputs
+               for n in (div, mul, red, ab)):
             report.miss(q.output[0], "an intermediate of the pattern has other uses")
             continue
         node = helper.make_node("QuantizeRows", [x], [q.output[0], s], name=g.unique(f"{q.name}_rows"),
                                 domain=DOMAIN)
-        dead = [producers[v] for v in inner] + [producers[s]]
-        g.nodes[g.index(q)] = node
-        for d in dead:
-            g.nodes.remove(d)
-        # the new node must come before every reader of s (the row-scale Muls follow the QuantizeLinear already;
-        # Div read s, so the readers of s all came after Max) - move it to where the Abs stood
-        g.nodes.remove(node)
-        first = min(g.index(c) for c in consumers.get(s, []) + consumers.get(q.output[0], []) if c in g.nodes)
-        g.nodes.insert(first, node)
+        # the new node stands where the Abs stood: after x exists, before every reader of s and of the codes
+        g.nodes[g.index(ab)] = node
+        for dead in (red, mul, mx, div, q):
+            g.nodes.remove(dead)
         report.fired += 1
     return report
