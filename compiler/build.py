@@ -98,6 +98,13 @@ def plan(recipe_path: str | Path) -> Plan:
         raise recipe.error("target.dtype", f"dtype {t.dtype} is not supported for {t.backend}/{t.device}; "
                            f"use {' or '.join(target.dtypes)}")
     names = [spec.name for spec in recipe.passes]
+    if t.matmul not in (None, t.dtype):
+        if (t.backend, t.device, t.dtype, t.matmul) != ("onnxruntime", "cpu", "float32", "bfloat16"):
+            raise recipe.error("target.matmul", f"matmul {t.matmul} applies to onnxruntime/cpu with dtype float32 "
+                               "(bfloat16 weight products); elsewhere the dtype sets the products' precision")
+        if "fuse" not in names:
+            raise recipe.error("target.matmul", "matmul bfloat16 is written by the fuse pass: add 'fuse' after "
+                               "lower_onnx")
     if target.passes is not None:  # the torch targets: the artifact is the captured program
         for i, name in enumerate(names):
             if name not in target.passes:
@@ -549,6 +556,7 @@ def _manifest(ctx: BuildContext, src_sha: str, pass_records: list[dict[str, Any]
         },
         "recipe": {"text": recipe.text, "sha256": recipe.sha256, "parsed": recipe.as_dict()},
         "target": {"backend": recipe.target.backend, "device": recipe.target.device, "dtype": recipe.target.dtype,
+                   "matmul": recipe.target.matmul or recipe.target.dtype,
                    "kv_cache_dtype": ctx.artifacts.get("kv_cache_dtype", recipe.target.dtype)},
         "passes": pass_records,
         "kernels": {"attention": ctx.artifacts.get("attention_kernel") or ATTENTION_KERNEL},

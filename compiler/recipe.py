@@ -90,6 +90,9 @@ class Target:
     backend: str
     device: str
     dtype: str
+    # the precision of the weight products where it differs from dtype: "bfloat16" on onnxruntime/cpu
+    # (float32 graph, bf16 weights and MatMul inputs: compiler/fusion/matmul_bf16.py); None: dtype's
+    matmul: str | None = None
 
 
 @dataclass(frozen=True)

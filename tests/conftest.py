@@ -25,7 +25,7 @@ def demo_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def write_recipe(folder: Path, checkpoint: Path, name: str = "test-model", passes: str | None = None,
                  extra: str = "", runtime: str | None = None, backend: str = "onnxruntime", device: str = "cpu",
-                 dtype: str = "float32") -> Path:
+                 dtype: str = "float32", matmul: str | None = None) -> Path:
     """A recipe file for `checkpoint` in `folder` (absolute paths), output to folder/artifacts."""
     default = "  - name: capture\n  - name: package\n" if backend == "torch" else \
         "  - name: capture\n  - name: lower_onnx\n  - name: package\n"
@@ -34,7 +34,8 @@ def write_recipe(folder: Path, checkpoint: Path, name: str = "test-model", passe
                           "  max_num_batched_tokens: 256\n  max_model_len: 512\n")
     text = (f"name: {name}\nversion: 1.0.0\nsource:\n  checkpoint: {checkpoint}\n"
             f"target:\n  backend: {backend}\n  device: {device}\n  dtype: {dtype}\n"
-            f"passes:\n{passes}runtime:\n{runtime}{extra}output: {folder / 'artifacts'}\n")
+            + (f"  matmul: {matmul}\n" if matmul else "")
+            + f"passes:\n{passes}runtime:\n{runtime}{extra}output: {folder / 'artifacts'}\n")
     path = folder / f"{name}.yaml"
     path.write_text(text, encoding="utf-8")
     return path

@@ -64,11 +64,12 @@ def build_both(recipe: Path, unfused: Path) -> Path:
     seen: list[onnx.ModelProto] = []
     real = fusion.fuse_model
 
-    def spy(model: onnx.ModelProto, rules: list[str], rope_cache_rows: int) -> tuple[onnx.ModelProto, dict]:
+    def spy(model: onnx.ModelProto, rules: list[str], rope_cache_rows: int, matmul_bf16: bool = False
+            ) -> tuple[onnx.ModelProto, dict]:
         copy = onnx.ModelProto()
         copy.CopyFrom(model)
         seen.append(copy)
-        return real(model, rules, rope_cache_rows=rope_cache_rows)
+        return real(model, rules, rope_cache_rows=rope_cache_rows, matmul_bf16=matmul_bf16)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(fusion, "fuse_model", spy)

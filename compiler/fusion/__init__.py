@@ -16,6 +16,8 @@ Rules, in the order they run (each can be turned off):
 | `quick_gelu`    | x * Sigmoid(x) -> com.microsoft.QuickGelu(alpha=1)          | fusion/activation.py           |
 | `quantize_rows` | per-token INT8 activation quantization (6 nodes)            | fusion/quantize_rows.py        |
 |                 |   -> optimize.QuantizeRows (graphs that use the C library)  |                                |
+| `matmul_bf16`   | float MatMul / Gemm with a constant weight                  | fusion/matmul_bf16.py          |
+|                 |   -> optimize.MatMulBf16, bf16 weights (opt-in: the recipe's target.matmul: bfloat16; not in RULES) | |
 
 `fuse_model` applies them and returns the new model with statistics. Everything is deterministic:
 rules visit nodes in graph order, new names derive from existing ones (`Graph.unique`), caches are
@@ -33,12 +35,14 @@ RULES: tuple[str, ...] = ("rms_norm", "skip_rms_norm", "qkv", "gate_up", "rotary
                           "quantize_rows")
 
 
-def fuse_model(model: onnx.ModelProto, rules: Any, rope_cache_rows: int) -> tuple[onnx.ModelProto, dict[str, Any]]:
-    """Apply `rules` (names from RULES, run in RULES order); returns (model, stats). The returned model
-    may be a new ModelProto (the onnxscript rules go through onnx_ir). (compiler/fusion/pipeline.py)"""
+def fuse_model(model: onnx.ModelProto, rules: Any, rope_cache_rows: int, matmul_bf16: bool = False
+               ) -> tuple[onnx.ModelProto, dict[str, Any]]:
+    """Apply `rules` (names from RULES, run in RULES order), then `matmul_bf16` where asked; returns
+    (model, stats). The returned model may be a new ModelProto (the onnxscript rules go through onnx_ir).
+    (compiler/fusion/pipeline.py)"""
     from compiler.fusion.pipeline import fuse_model as run
 
-    return run(model, rules, rope_cache_rows)
+    return run(model, rules, rope_cache_rows, matmul_bf16)
 
 
 def check_model(model: onnx.ModelProto, onnxruntime_session: bool = True) -> dict[str, Any]:

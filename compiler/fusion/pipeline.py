@@ -25,6 +25,7 @@ IMPLEMENTATION = {
     "rotary_attention": "compiler/fusion/attention.py (optimize.RotaryPagedAttention, runtime/kernels/paged_attention_cpu.c)",
     "quick_gelu": "compiler/fusion/activation.py",
     "quantize_rows": "compiler/fusion/quantize_rows.py (optimize.QuantizeRows, runtime/kernels/paged_attention_cpu.c)",
+    "matmul_bf16": "compiler/fusion/matmul_bf16.py (optimize.MatMulBf16, runtime/kernels/paged_attention_cpu.c)",
 }
 # ONNX Runtime registers SimplifiedLayerNormalization in the default domain (opset 1): onnx's
 # checker does not know it, so the standard check treats it as a contrib op (see check_model).
@@ -56,9 +57,10 @@ def nodes_per_layer(model: onnx.ModelProto) -> int | None:
     return int(statistics.median(counts.values())) if counts else None
 
 
-def fuse_model(model: onnx.ModelProto, rules: Sequence[str], rope_cache_rows: int
+def fuse_model(model: onnx.ModelProto, rules: Sequence[str], rope_cache_rows: int, matmul_bf16: bool = False
                ) -> tuple[onnx.ModelProto, dict[str, Any]]:
-    """Apply `rules` (names from RULES, run in RULES order); returns (model, stats).
+    """Apply `rules` (names from RULES, run in RULES order), then, with `matmul_bf16` (the target's
+    `matmul: bfloat16`), the opt-in rule of that name; returns (model, stats).
 
     The returned model may be a new ModelProto (the onnxscript rules go through onnx_ir)."""
     unknown = sorted(set(rules) - set(RULES))
@@ -68,7 +70,7 @@ def fuse_model(model: onnx.ModelProto, rules: Sequence[str], rope_cache_rows: in
     nodes_before = len(model.graph.node)
     per_layer_before = nodes_per_layer(model)
     io_before = ([i.name for i in model.graph.input], [o.name for o in model.graph.output])
-    reports: dict[str, RuleReport] = {r: RuleReport() for r in RULES}
+    reports: dict[str, RuleReport] = {r: RuleReport() for r in [*RULES, "matmul_bf16"]}
 
     if "rms_norm" in enabled or "skip_rms_norm" in enabled:
         model = _onnxscript_rules(model, enabled, reports)
@@ -91,6 +93,11 @@ def fuse_model(model: onnx.ModelProto, rules: Sequence[str], rope_cache_rows: in
         reports["quick_gelu"] = fuse_quick_gelu(g)
     if "quantize_rows" in enabled:
         reports["quantize_rows"] = fuse_quantize_rows(g)
+    bf16_bytes: dict[str, int] = {}
+    if matmul_bf16:
+        from compiler.fusion.matmul_bf16 import fuse_matmul_bf16
+
+        reports["matmul_bf16"], bf16_bytes = fuse_matmul_bf16(g)
     _drop_unused_optional_outputs(g)
     g.remove_dead()
     if any(n.domain == MS_DOMAIN for n in g.nodes):
@@ -101,17 +108,21 @@ def fuse_model(model: onnx.ModelProto, rules: Sequence[str], rope_cache_rows: in
             (io_before[0], [o for o in io_before[1] if o not in dropped]):
         raise AssertionError("fusion changed the graph inputs or outputs")  # pragma: no cover
     ops = Counter((f"{n.domain}." if n.domain not in ("", "ai.onnx") else "") + n.op_type for n in model.graph.node)
+    names = [*RULES, "matmul_bf16"] if matmul_bf16 else list(RULES)
+    ran = enabled + (["matmul_bf16"] if matmul_bf16 else [])
     stats: dict[str, Any] = {
-        "rules": enabled,
+        "rules": ran,
         "disabled": [r for r in RULES if r not in enabled],
-        "fusions": {r: reports[r].fired for r in RULES},
+        "fusions": {r: reports[r].fired for r in names},
         "nodes_before": nodes_before,
         "nodes_after": len(model.graph.node),
         "nodes_per_layer": {"before": per_layer_before, "after": nodes_per_layer(model)},
         "op_types": dict(sorted(ops.items())),
-        "implementation": {r: IMPLEMENTATION[r] for r in enabled},
+        "implementation": {r: IMPLEMENTATION[r] for r in ran},
     }
-    not_fused = {r: dict(sorted(reports[r].not_fused.items())) for r in RULES if reports[r].not_fused}
+    if matmul_bf16:
+        stats["matmul_bf16"] = bf16_bytes
+    not_fused = {r: dict(sorted(reports[r].not_fused.items())) for r in names if reports[r].not_fused}
     if not_fused:
         stats["not_fused"] = not_fused
     if dropped:

@@ -67,7 +67,8 @@ class FusePass(Pass):
         model = ctx.require("onnx", self.name)
         cfg = ctx.checkpoint.config
         rows = min(ctx.recipe.runtime.max_model_len, cfg.max_position_embeddings)
-        fused, stats = fuse_model(model, self.config.enabled(), rope_cache_rows=rows)
+        bf16 = ctx.recipe.target.matmul == "bfloat16"
+        fused, stats = fuse_model(model, self.config.enabled(), rope_cache_rows=rows, matmul_bf16=bf16)
         # PagedAttention has no CPU kernel: such a graph cannot open an ONNX Runtime CPU session here, so
         # its contrib nodes are checked against ONNX Runtime's registered schema instead
         cuda_only = any(n.op_type == "PagedAttention" and n.domain == "com.microsoft" for n in fused.graph.node)

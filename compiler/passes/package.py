@@ -38,8 +38,11 @@ def runtime_config(ctx: BuildContext) -> dict[str, Any]:
     rt = ctx.recipe.runtime
     inputs, outputs = graph_io_names(cfg.num_layers)
     onnx_model = ctx.artifacts.get("onnx")
+    custom_ops: list[str] = []
     if onnx_model is not None and ctx.recipe.target.backend == "onnxruntime":
         outputs = [o.name for o in onnx_model.graph.output]  # the fuse rule rotary_attention drops new K/V
+        # the package's custom-op library serves the `optimize` domain; the backend registers it for these
+        custom_ops = sorted({o.domain for o in onnx_model.opset_import} & {"optimize"})
     return {
         "backend": ctx.recipe.target.backend,
         "device": ctx.recipe.target.device,
@@ -67,7 +70,8 @@ def runtime_config(ctx: BuildContext) -> dict[str, Any]:
         },
         # kv_write "graph": the attention node writes the step's K/V into the pools itself (paged_cpu,
         # paged_attention); "runtime": the backend scatters the graph's new K/V outputs at slot_mapping
-        "graph": {"inputs": inputs, "outputs": outputs, "kv_write": kv_write(ctx.artifacts.get("attention"))},
+        "graph": {"inputs": inputs, "outputs": outputs, "kv_write": kv_write(ctx.artifacts.get("attention")),
+                  "custom_op_domains": custom_ops},
     }
 
 

@@ -4,8 +4,9 @@ The graph reads the per-layer pools [num_blocks, block_size, kv_heads, head_dim]
 step's new K/V; this backend scatters them into the pools at `slot_mapping` (C core) after the
 run. Numpy arrays are handed to ONNX Runtime without copies. A graph whose attention node writes the
 pools itself (runtime.json graph.kv_write "graph": the paged_cpu variant, optimize.PagedAttention)
-gets the library of that kernel registered with its session, the block table up to the last block
-any of the step's tokens lands in, and no scatter; only its logits are fetched.
+gets the block table up to the last block any of the step's tokens lands in, and no scatter; only its
+logits are fetched. The package's custom-op library is registered with the session for such graphs and
+for any other whose runtime.json lists the `optimize` domain (graph.custom_op_domains: MatMulBf16).
 """
 
 from __future__ import annotations
@@ -91,7 +92,9 @@ class OnnxRuntimeBackend:
         if not so.enable_cpu_mem_arena and "CPUExecutionProvider" in (providers or ["CPUExecutionProvider"]):
             fix_mmap_threshold()
         self.kv_in_graph = config["graph"].get("kv_write", "runtime") == "graph"
-        if self.kv_in_graph:
+        # the package's C library serves the `optimize` domain (attention, QuantizeRows, MatMulBf16); an
+        # artifact built before runtime.json listed the domains has it exactly when its kernel writes the K/V
+        if self.kv_in_graph or "optimize" in config["graph"].get("custom_op_domains", []):
             from runtime.kernels.paged_attention_cpu import register
 
             register(so)

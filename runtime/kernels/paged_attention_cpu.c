@@ -87,6 +87,9 @@ typedef struct {
     int64_t inline_work; /* below this many multiply-adds a step runs without the thread pool */
     int rope;            /* RotaryPagedAttention: packed qkv input, rotary applied here */
     int qrows;           /* QuantizeRows (no attributes; none of the fields above) */
+    int bf16;            /* MatMulBf16 (attribute n: n_out) */
+    int bf16_dp;         /* MatMulBf16 multiplies with AVX-512 BF16's vdpbf16ps */
+    int64_t n_out;
     int64_t rotary_dim;  /* 0: head_dim */
     int64_t interleaved;
 } Kernel;
@@ -520,14 +523,17 @@ static const char ROPE_TYPES[] = "FLFFFFIII";
 
 static ONNXTensorElementDataType type_of(char c) {
     return c == 'F' ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT
-                    : c == 'I' ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32 : ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+         : c == 'I' ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32
+         : c == 'B' ? ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16 : ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
 }
 
 static OrtStatus *quantize_rows_compute(OrtKernelContext *ctx);
+static OrtStatus *matmul_bf16_compute(const Kernel *kern, OrtKernelContext *ctx);
 
 static OrtStatus *compute(void *op_kernel, OrtKernelContext *ctx) {
     const Kernel *k = (const Kernel *)op_kernel;
     if (k->qrows) return quantize_rows_compute(ctx);
+    if (k->bf16) return matmul_bf16_compute(k, ctx);
     const char *opname = k->rope ? ROPE_OP_NAME : OP_NAME;
     const char *types = k->rope ? ROPE_TYPES : PLAIN_TYPES;
     const size_t n_in = strlen(types);
@@ -768,9 +774,244 @@ static OrtStatus *quantize_rows_compute(OrtKernelContext *ctx) {
     return NULL;
 }
 
+/* ---- optimize.MatMulBf16 ------------------------------------------------------------------------- */
+
+/* y [.., N] = a [.., K] @ W [K, N] with W stored in bfloat16 and a rounded to bfloat16 on the way in
+ * (round to nearest, ties to even), products summed in float32. W comes packed in panels of 16 columns,
+ * each column's K values in pairs (k, k + 1): w [ceil(N / 16), ceil(K / 2), 16, 2] (compiler/fusion/
+ * matmul_bf16.py packs it; zeros pad N and K), so one 64-byte load holds a pair of rows of 16 columns,
+ * the operand layout of AVX-512 BF16's vdpbf16ps. Where the CPU has it the kernel multiplies with that
+ * instruction (32 products per instruction, twice the float32 FMA's); elsewhere it widens the pairs to
+ * float32 (a 16-bit shift) and uses FMA, the same products of the same bf16 values. Work items are
+ * (64 rows, 32 columns): the columns' panel pair stays in L2 while the rows pass over it, 8 rows at a
+ * time against two panels = 16 accumulators. */
+#define BF_OP_NAME "MatMulBf16"
+#define BF_MR 8     /* rows per register tile */
+#define BF_MC 64    /* rows per work item */
+
+typedef uint32_t v16u32 __attribute__((vector_size(64)));
+typedef uint16_t v16u16 __attribute__((vector_size(32)));
+
+typedef struct {
+    const float *a;
+    uint16_t *a16;    /* a in bf16, [M][2 * KP] (KP pairs per row, the odd K padded with 0) */
+    const uint32_t *w; /* [NP][KP][16] pairs */
+    float *y;
+    int64_t M, K, KP, N, NP, NC, rows_per_conv;
+    int dp;
+} BfJob;
+
+/* float32 -> bfloat16 bits, round to nearest, ties to even (a NaN stays a NaN: its quiet bit is kept) */
+static inline uint16_t bf16_round(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+HOT_CLONES
+static void bf16_convert_rows(void *arg, size_t index) {
+    const BfJob *job = (const BfJob *)arg;
+    const int64_t r0 = (int64_t)index * job->rows_per_conv;
+    const int64_t r1 = r0 + job->rows_per_conv < job->M ? r0 + job->rows_per_conv : job->M;
+    for (int64_t r = r0; r < r1; r++) {
+        const float *x = job->a + r * job->K;
+        uint16_t *o = job->a16 + r * 2 * job->KP;
+        int64_t k = 0;
+        for (; k + VL <= job->K; k += VL) {
+            v16u32 u;
+            memcpy(&u, x + k, sizeof u);
+            const v16i nan = (v16i)((u & 0x7fffffffu) > 0x7f800000u);
+            const v16u32 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+            const v16u32 quiet = (u >> 16) | 0x40u;
+            const v16u16 b = __builtin_convertvector((v16u32)((nan & (v16i)quiet) | (~nan & (v16i)rounded)), v16u16);
+            memcpy(o + k, &b, sizeof b);
+        }
+        for (; k < job->K; k++) o[k] = bf16_round(x[k]);
+        if (job->K % 2) o[job->K] = 0;
+    }
+}
+
+/* Store 16 columns of a row (fewer at the right edge of y). */
+static inline void bf16_store(float *dst, v16f v, int64_t ncols) {
+    if (ncols >= VL) {
+        vstore(dst, v);
+    } else if (ncols > 0) {
+        float t[VL];
+        vstore(t, v);
+        memcpy(dst, t, sizeof(float) * (size_t)ncols);
+    }
+}
+
+/* MR rows x two panels (32 columns) over all K, widening the bf16 pairs to float32: the portable path.
+ * w1 may repeat w0 (an odd last panel); its columns are then not stored (ncols1 = 0). */
+#define BF16_GENERIC(MR)                                                                                   \
+    static inline __attribute__((always_inline)) void bf16_tile_fma_##MR(                                  \
+        const uint32_t *a2, int64_t lda, const uint32_t *w0, const uint32_t *w1, int64_t KP, float *y,      \
+        int64_t ldy, int64_t ncols0, int64_t ncols1) {                                                     \
+        v16f acc0[MR], acc1[MR];                                                                           \
+        for (int r = 0; r < MR; r++) acc0[r] = acc1[r] = (v16f){0};                                        \
+        for (int64_t kk = 0; kk < KP; kk++) {                                                              \
+            v16u32 b0, b1;                                                                                 \
+            memcpy(&b0, w0 + kk * VL, sizeof b0);                                                          \
+            memcpy(&b1, w1 + kk * VL, sizeof b1);                                                          \
+            const v16f e0 = (v16f)(b0 << 16), o0 = (v16f)(b0 & 0xffff0000u);                               \
+            const v16f e1 = (v16f)(b1 << 16), o1 = (v16f)(b1 & 0xffff0000u);                               \
+            for (int r = 0; r < MR; r++) {                                                                 \
+                const uint32_t p = a2[r * lda + kk], pe = p << 16, po = p & 0xffff0000u;                    \
+                float ae, ao;                                                                              \
+                memcpy(&ae, &pe, sizeof ae);                                                               \
+                memcpy(&ao, &po, sizeof ao);                                                               \
+                acc0[r] += ae * e0 + ao * o0;                                                              \
+                acc1[r] += ae * e1 + ao * o1;                                                              \
+            }                                                                                              \
+        }                                                                                                  \
+        for (int r = 0; r < MR; r++) {                                                                     \
+            bf16_store(y + r * ldy, acc0[r], ncols0);                                                      \
+            bf16_store(y + r * ldy + VL, acc1[r], ncols1);                                                 \
+        }                                                                                                  \
+    }
+BF16_GENERIC(8)
+BF16_GENERIC(4)
+BF16_GENERIC(2)
+BF16_GENERIC(1)
+
+#if defined(__GNUC__) && defined(__x86_64__)
+#include <immintrin.h>
+#define BF16_DP_TARGET __attribute__((target("avx512f,avx512bf16")))
+/* The same tile with vdpbf16ps: acc += a_pair . w_pair per lane (two products per float32 lane). */
+#define BF16_DP(MR)                                                                                        \
+    static inline __attribute__((always_inline)) BF16_DP_TARGET void bf16_tile_dp_##MR(                    \
+        const uint32_t *a2, int64_t lda, const uint32_t *w0, const uint32_t *w1, int64_t KP, float *y,      \
+        int64_t ldy, int64_t ncols0, int64_t ncols1) {                                                     \
+        __m512 acc0[MR], acc1[MR];                                                                         \
+        for (int r = 0; r < MR; r++) acc0[r] = acc1[r] = _mm512_setzero_ps();                              \
+        for (int64_t kk = 0; kk < KP; kk++) {                                                              \
+            const __m512i b0 = _mm512_loadu_si512((const void *)(w0 + kk * VL));                           \
+            const __m512i b1 = _mm512_loadu_si512((const void *)(w1 + kk * VL));                           \
+            for (int r = 0; r < MR; r++) {                                                                 \
+                const __m512i a = _mm512_set1_epi32((int)a2[r * lda + kk]);                                \
+                acc0[r] = _mm512_dpbf16_ps(acc0[r], (__m512bh)a, (__m512bh)b0);                            \
+                acc1[r] = _mm512_dpbf16_ps(acc1[r], (__m512bh)a, (__m512bh)b1);                            \
+            }                                                                                              \
+        }                                                                                                  \
+        for (int r = 0; r < MR; r++) {                                                                     \
+            v16f t0, t1;                                                                                   \
+            memcpy(&t0, &acc0[r], sizeof t0);                                                              \
+            memcpy(&t1, &acc1[r], sizeof t1);                                                              \
+            bf16_store(y + r * ldy, t0, ncols0);                                                           \
+            bf16_store(y + r * ldy + VL, t1, ncols1);                                                      \
+        }                                                                                                  \
+    }
+BF16_DP(8)
+BF16_DP(4)
+BF16_DP(2)
+BF16_DP(1)
+
+BF16_DP_TARGET
+static void bf16_rows_dp(const uint32_t *a2, int64_t lda, int64_t nr, const uint32_t *w0, const uint32_t *w1,
+                         int64_t KP, float *y, int64_t ldy, int64_t c0, int64_t c1) {
+    int64_t r = 0;
+    for (; r + 8 <= nr; r += 8) bf16_tile_dp_8(a2 + r * lda, lda, w0, w1, KP, y + r * ldy, ldy, c0, c1);
+    if (nr - r >= 4) { bf16_tile_dp_4(a2 + r * lda, lda, w0, w1, KP, y + r * ldy, ldy, c0, c1); r += 4; }
+    if (nr - r >= 2) { bf16_tile_dp_2(a2 + r * lda, lda, w0, w1, KP, y + r * ldy, ldy, c0, c1); r += 2; }
+    if (nr - r >= 1) bf16_tile_dp_1(a2 + r * lda, lda, w0, w1, KP, y + r * ldy, ldy, c0, c1);
+}
+
+static int bf16_cpu_has_dp(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16");
+}
+#else
+static void bf16_rows_dp(const uint32_t *a2, int64_t lda, int64_t nr, const uint32_t *w0, const uint32_t *w1,
+                         int64_t KP, float *y, int64_t ldy, int64_t c0, int64_t c1) {
+    (void)a2; (void)lda; (void)nr; (void)w0; (void)w1; (void)KP; (void)y; (void)ldy; (void)c0; (void)c1;
+}
+static int bf16_cpu_has_dp(void) { return 0; }
+#endif
+
+HOT_CLONES
+static void bf16_rows_fma(const uint32_t *a2, int64_t lda, int64_t nr, const uint32_t *w0, const uint32_t *w1,
+                          int64_t KP, float *y, int64_t ldy, int64_t c0, int64_t c1) {
+    int64_t r = 0;
+    for (; r + 8 <= nr; r += 8) bf16_tile_fma_8(a2 + r * lda, lda, w0, w1, KP, y + r * ldy, ldy, c0, c1);
+    if (nr - r >= 4) { bf16_tile_fma_4(a2 + r * lda, lda, w0, w1, KP, y + r * ldy, ldy, c0, c1); r += 4; }
+    if (nr - r >= 2) { bf16_tile_fma_2(a2 + r * lda, lda, w0, w1, KP, y + r * ldy, ldy, c0, c1); r += 2; }
+    if (nr - r >= 1) bf16_tile_fma_1(a2 + r * lda, lda, w0, w1, KP, y + r * ldy, ldy, c0, c1);
+}
+
+/* item = (row block, panel pair), row block major: a thread's consecutive items share their rows */
+static void bf16_item(void *arg, size_t index) {
+    const BfJob *job = (const BfJob *)arg;
+    const int64_t mi = (int64_t)index / job->NC, ci = (int64_t)index % job->NC;
+    const int64_t m0 = mi * BF_MC, nr = job->M - m0 < BF_MC ? job->M - m0 : BF_MC;
+    const int64_t p0 = 2 * ci, has1 = p0 + 1 < job->NP;
+    const uint32_t *w0 = job->w + p0 * job->KP * VL, *w1 = has1 ? w0 + job->KP * VL : w0;
+    const int64_t n0 = p0 * VL;
+    const int64_t c0 = job->N - n0 < VL ? job->N - n0 : VL;
+    const int64_t c1 = has1 ? (job->N - n0 - VL < VL ? job->N - n0 - VL : VL) : 0;
+    const uint32_t *a2 = (const uint32_t *)(const void *)(job->a16 + m0 * 2 * job->KP);
+    float *y = job->y + m0 * job->N + n0;
+    if (job->dp)
+        bf16_rows_dp(a2, job->KP, nr, w0, w1, job->KP, y, job->N, c0, c1);
+    else
+        bf16_rows_fma(a2, job->KP, nr, w0, w1, job->KP, y, job->N, c0, c1);
+}
+
+static OrtStatus *matmul_bf16_compute(const Kernel *kern, OrtKernelContext *ctx) {
+    const char *opname = BF_OP_NAME;
+    char msg[256];
+    Tensor a, w;
+    OrtStatus *st = read_input(ctx, 0, &a);
+    if (!st) st = read_input(ctx, 1, &w);
+    if (st) return st;
+    if (a.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) FAIL("a must be float32");
+    if (w.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16) FAIL("w must be bfloat16");
+    if (a.rank < 1) FAIL("a must have rank 1 or more");
+    const int64_t K = a.dims[a.rank - 1], N = kern->n_out, KP = (K + 1) / 2, NP = (N + VL - 1) / VL;
+    if (w.rank != 4 || w.dims[0] != NP || w.dims[1] != KP || w.dims[2] != VL || w.dims[3] != 2)
+        FAIL("w must be packed as [ceil(N / 16) = %lld, ceil(K / 2) = %lld, 16, 2] for K = %lld, N = %lld",
+             (long long)NP, (long long)KP, (long long)K, (long long)N);
+    int64_t M = 1, out_dims[4];
+    for (size_t i = 0; i + 1 < a.rank; i++) {
+        M *= a.dims[i];
+        out_dims[i] = a.dims[i];
+    }
+    out_dims[a.rank - 1] = N;
+    OrtValue *out_v = NULL;
+    if ((st = ORT_FN(g_api, KernelContext_GetOutput, OrtKernelContextGetOutputFn)(ctx, 0, out_dims, a.rank, &out_v)))
+        return st;
+    if (M == 0 || N == 0) return NULL;
+    BfJob job = {(const float *)a.data, NULL, (const uint32_t *)w.data, NULL, M, K, KP, N, NP, (NP + 1) / 2, 0,
+                 kern->bf16_dp};
+    if ((st = ORT_FN(g_api, GetTensorMutableData, OrtGetTensorMutableDataFn)(out_v, (void **)&job.y))) return st;
+    if (K == 0) {
+        memset(job.y, 0, sizeof(float) * (size_t)(M * N));
+        return NULL;
+    }
+    job.a16 = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(M * 2 * KP));
+    if (!job.a16) FAIL("out of memory for the bfloat16 copy of a [%lld, %lld]", (long long)M, (long long)K);
+    OrtKernelContextParallelForFn parallel_for =
+        ORT_FN(g_api, KernelContext_ParallelFor, OrtKernelContextParallelForFn);
+    job.rows_per_conv = ((1 << 16) + K - 1) / K;
+    const size_t conv_items = (size_t)((M + job.rows_per_conv - 1) / job.rows_per_conv);
+    if (conv_items > 1)
+        st = parallel_for(ctx, bf16_convert_rows, conv_items, 0, &job);
+    else
+        bf16_convert_rows(&job, 0);
+    const size_t items = (size_t)(((M + BF_MC - 1) / BF_MC) * job.NC);
+    /* below ~64K multiply-adds the fork/join costs more than it saves */
+    if (!st && items > 1 && M * K * N >= (1 << 16))
+        st = parallel_for(ctx, bf16_item, items, 0, &job);
+    else if (!st)
+        for (size_t i = 0; i < items; i++) bf16_item(&job, i);
+    free(job.a16);
+    return st;
+}
+
 /* ---- the OrtCustomOp callbacks ----------------------------------------------------------------------- */
 
-static OrtCustomOp g_op, g_rope_op, g_qrows_op; /* defined below */
+static OrtCustomOp g_op, g_rope_op, g_qrows_op, g_bf16_op; /* defined below */
 
 static OrtStatus *create_kernel(const OrtCustomOp *op, const OrtApi *api, const OrtKernelInfo *info, void **out) {
     (void)api;
@@ -779,7 +1020,22 @@ static OrtStatus *create_kernel(const OrtCustomOp *op, const OrtApi *api, const 
     if (!k) return status(ORT_FAIL, "optimize.PagedAttention: out of memory");
     k->rope = op == &g_rope_op;
     k->qrows = op == &g_qrows_op;
+    k->bf16 = op == &g_bf16_op;
     if (k->qrows) {
+        *out = k;
+        return NULL;
+    }
+    if (k->bf16) {
+        OrtStatus *st = ORT_FN(g_api, KernelInfoGetAttribute_int64, OrtKernelInfoGetAttributeInt64Fn)(
+            info, "n", &k->n_out);
+        if (!st && k->n_out < 0) st = status(ORT_INVALID_ARGUMENT, "optimize.MatMulBf16: n must not be negative");
+        if (st) {
+            free(k);
+            return st;
+        }
+        /* OPTIMIZE_BF16_DOT=0 takes the FMA path on a CPU with AVX-512 BF16 (tests compare the two) */
+        const char *env = getenv("OPTIMIZE_BF16_DOT");
+        k->bf16_dp = bf16_cpu_has_dp() && !(env && strcmp(env, "0") == 0);
         *out = k;
         return NULL;
     }
@@ -831,11 +1087,11 @@ static void compute_v1(void *op_kernel, OrtKernelContext *ctx) {
 
 static void destroy_kernel(void *op_kernel) { free(op_kernel); }
 static const char *op_name(const OrtCustomOp *op) {
-    return op == &g_rope_op ? ROPE_OP_NAME : op == &g_qrows_op ? QROWS_OP_NAME : OP_NAME;
+    return op == &g_rope_op ? ROPE_OP_NAME : op == &g_qrows_op ? QROWS_OP_NAME : op == &g_bf16_op ? BF_OP_NAME : OP_NAME;
 }
 static const char *op_provider(const OrtCustomOp *op) { (void)op; return "CPUExecutionProvider"; }
 static const char *op_types(const OrtCustomOp *op) {
-    return op == &g_rope_op ? ROPE_TYPES : op == &g_qrows_op ? "F" : PLAIN_TYPES;
+    return op == &g_rope_op ? ROPE_TYPES : op == &g_qrows_op ? "F" : op == &g_bf16_op ? "FB" : PLAIN_TYPES;
 }
 static ONNXTensorElementDataType input_type(const OrtCustomOp *op, size_t i) { return type_of(op_types(op)[i]); }
 static size_t input_count(const OrtCustomOp *op) { return strlen(op_types(op)); }
@@ -865,6 +1121,7 @@ static void release_pairs(int *in, int *out) { (void)in; (void)out; }
 static OrtCustomOp g_op = CUSTOM_OP;
 static OrtCustomOp g_rope_op = CUSTOM_OP; /* told apart by their addresses */
 static OrtCustomOp g_qrows_op = CUSTOM_OP;
+static OrtCustomOp g_bf16_op = CUSTOM_OP;
 
 /* ONNX Runtime's entry point for SessionOptions.register_custom_ops_library. */
 __attribute__((visibility("default")))
@@ -890,6 +1147,7 @@ OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *api_b
         if ((st = ORT_FN(g_api, CustomOpDomain_Add, OrtCustomOpDomainAddFn)(g_domain, &g_op))) return st;
         if ((st = ORT_FN(g_api, CustomOpDomain_Add, OrtCustomOpDomainAddFn)(g_domain, &g_rope_op))) return st;
         if ((st = ORT_FN(g_api, CustomOpDomain_Add, OrtCustomOpDomainAddFn)(g_domain, &g_qrows_op))) return st;
+        if ((st = ORT_FN(g_api, CustomOpDomain_Add, OrtCustomOpDomainAddFn)(g_domain, &g_bf16_op))) return st;
     }
     return ORT_FN(g_api, AddCustomOpDomain, OrtAddCustomOpDomainFn)(options, g_domain);
 }
