@@ -51,13 +51,16 @@ def _estimates(recipe: Recipe, info: CheckpointInfo, passes: list[Pass] | None =
     nbytes = _DTYPE_BYTES[recipe.target.dtype]
     weights = info.num_parameters * nbytes
     sizers = [ps for ps in passes or [] if hasattr(ps, "estimated_bytes")]
-    if sizers:  # quantized weights: what the quantize pass stores for each tensor
+    bf16 = recipe.target.matmul == "bfloat16"
+    if sizers or bf16:  # quantized weights: what the quantize pass stores for each tensor
         from compiler.quant.common import module_of
 
         weights = 0
         for name, (_dtype, shape) in info.tensors.items():
             module, kind = module_of(name, shape)
             stored = next((b for ps in sizers if (b := ps.estimated_bytes(module, shape, kind)) is not None), None)
+            if stored is None and bf16 and kind == "linear":  # float weight matrices: bfloat16 products
+                stored = math.prod(shape) * 2
             weights += stored if stored is not None else math.prod(shape) * nbytes
     kv_elem = next((ps.kv_bytes_per_element() for ps in passes or [] if hasattr(ps, "kv_bytes_per_element")), nbytes)
     kv = 2 * cfg.num_layers * rt.num_kv_blocks * rt.kv_block_size * cfg.num_kv_heads * cfg.head_dim * kv_elem

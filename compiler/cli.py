@@ -125,7 +125,8 @@ def _print_plan(p: Plan) -> None:
     click.echo(f"           {cfg.architecture}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
                f"heads {cfg.num_heads}/{cfg.num_kv_heads} kv, head_dim {cfg.head_dim}, vocab {cfg.vocab_size}, "
                f"{info.num_parameters:,} parameters")
-    click.echo(f"target     {r.target.backend}/{r.target.device}/{r.target.dtype}")
+    matmul = f" (matmul {r.target.matmul})" if r.target.matmul not in (None, r.target.dtype) else ""
+    click.echo(f"target     {r.target.backend}/{r.target.device}/{r.target.dtype}{matmul}")
     click.echo("passes")
     for i, ps in enumerate(p.passes, 1):
         click.echo(f"  {i}. {ps.name:<12} {ps.summary}")

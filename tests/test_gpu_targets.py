@@ -45,7 +45,7 @@ def torch_cuda_artifact(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path,
 def test_torch_cuda_artifact_builds_on_cpu_with_a_capturable_plan(torch_cuda_artifact: tuple[Path, Path]) -> None:
     artifact, _ = torch_cuda_artifact
     manifest = json.loads((artifact / "manifest.json").read_text())
-    assert manifest["target"] == {"backend": "torch", "device": "cuda", "dtype": "float32",
+    assert manifest["target"] == {"backend": "torch", "device": "cuda", "dtype": "float32", "matmul": "float32",
                                   "kv_cache_dtype": "float32"}
     plan_ = manifest["cuda_graphs"]
     assert plan_["applies"] and plan_["capturable"] and plan_["host_sync_findings"] == []
