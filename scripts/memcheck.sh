@@ -11,7 +11,7 @@
 # streams, scatter, copies, constructor and error paths), test_core_reference.py and
 # test_prefix_cache.py (both impls), test_sampling.py (C vs. twin sampling), and the kernel library
 # built the same way, loaded by ONNX Runtime in test_paged_cpu_kernel.py (hypothesis steps against the
-# reference attention, in-place pool writes, refused steps). Exits non-zero on any
+# reference attention, in-place pool writes, refused steps) and test_matmul_bf16_kernel.py. Exits non-zero on any
 # sanitizer report (any error aborts the run), a test failure, no test run, or a missing libasan.
 # tests/test_memcheck.py runs this script in the default test suite (CI). Leaks of the core's own allocations are checked by
 # tests/test_core_c.py::test_no_memory_growth_over_many_schedulers_and_samples (tracemalloc);
@@ -20,7 +20,8 @@ set -euo pipefail
 
 # The tests run under the sanitizers (files in tests/), and the helpers they import. A new test of
 # C code goes here.
-TESTS=(test_core_c.py test_core_reference.py test_prefix_cache.py test_sampling.py test_paged_cpu_kernel.py)
+TESTS=(test_core_c.py test_core_reference.py test_prefix_cache.py test_sampling.py test_paged_cpu_kernel.py
+       test_matmul_bf16_kernel.py)
 HELPERS=(test_core_fixtures.py)
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -42,6 +43,7 @@ LIBSTDCXX=$("$CC" -print-file-name=libstdc++.so)
 PRELOAD="$LIBASAN $(readlink -f "$LIBSTDCXX")"
 
 cp -r "$ROOT/runtime" "$TMP/runtime"
+cp -r "$ROOT/compiler" "$TMP/compiler"  # pure Python: test_matmul_bf16_kernel.py packs weights with it
 find "$TMP/runtime" -name '_core*.so' -delete
 find "$TMP/runtime" -name '_paged_attention_cpu*.so' -delete
 find "$TMP/runtime" -name '__pycache__' -prune -exec rm -rf {} +

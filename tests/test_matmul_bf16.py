@@ -1,131 +1,23 @@
-"""bfloat16 weight products on ONNX Runtime CPU: optimize.MatMulBf16 (runtime/kernels/paged_attention_cpu.c),
-its packing and fusion rule (compiler/fusion/matmul_bf16.py) and the recipe's `target.matmul: bfloat16`.
-
-The op is checked in a real ONNX Runtime session against bf16(a) @ bf16(w) computed in float64, on
-hypothesis-drawn shapes (odd K and N, N not a multiple of the 16-column panels, rank-3 inputs, empty
-inputs), inline and through the thread pool, on both of its paths: AVX-512 BF16's vdpbf16ps where this
-CPU has it and the float32-FMA path (OPTIMIZE_BF16_DOT=0). The demo model built with the option keeps
-the quality gate's bounds against the float32 model, records the option in its manifest and serves
-the same greedy text as the float32 artifact.
+"""The recipe's `target.matmul: bfloat16` (onnxruntime/cpu): where it is refused, and the demo model built
+with it, which keeps the quality gate's bounds against the float32 model, records the option in its
+manifest and serves the same greedy text as the float32 artifact. The op itself:
+tests/test_matmul_bf16_kernel.py.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 import pytest
-import torch
 from conftest import DEMO_MODEL, write_recipe
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from onnx import TensorProto, helper
 from test_parity import DEMO_PROMPTS, chunked_logits, hf_logits, hf_model
 
 from compiler.build import build, plan
-from compiler.fusion.matmul_bf16 import bf16_bits, bf16_to_float32, pack_bf16, reference_matmul, unpack_bf16
 from compiler.recipe import RecipeError
 from runtime import LLM, SamplingParams
 from runtime.engine import LLMEngine
-from runtime.kernels import paged_attention_cpu as pk
-
-
-def op_model(k: int, n: int, packed: np.ndarray, rank: int = 2) -> bytes:
-    w = TensorProto(name="w", data_type=TensorProto.BFLOAT16, dims=list(packed.shape))
-    w.raw_data = packed.tobytes()
-    lead = ["B", "M"][:rank - 1]
-    node = helper.make_node("MatMulBf16", ["a", "w"], ["y"], domain=pk.DOMAIN, n=n)
-    f = helper.make_tensor_value_info
-    graph = helper.make_graph([node], "bf16", [f("a", TensorProto.FLOAT, [*lead, k])],
-                              [f("y", TensorProto.FLOAT, [*lead, n])], [w])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(pk.DOMAIN, 1)])
-    return model.SerializeToString()
-
-
-def run_op(a: np.ndarray, w: np.ndarray, threads: int = 1) -> np.ndarray:
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = threads
-    pk.register(so)
-    sess = ort.InferenceSession(op_model(w.shape[0], w.shape[1], pack_bf16(w), a.ndim), so,
-                                providers=["CPUExecutionProvider"])
-    return sess.run(None, {"a": a})[0]
-
-
-def check(a: np.ndarray, w: np.ndarray, y: np.ndarray) -> None:
-    """Within float32 summation error of the exact product of the bf16-rounded operands."""
-    ref = reference_matmul(a.reshape(-1, a.shape[-1]), w).reshape(*a.shape[:-1], w.shape[1])
-    scale = (np.abs(bf16_to_float32(bf16_bits(a))).astype(np.float64).reshape(-1, a.shape[-1])
-             @ np.abs(bf16_to_float32(bf16_bits(w))).astype(np.float64)).reshape(ref.shape)
-    assert y.shape == ref.shape and y.dtype == np.float32
-    assert np.all(np.abs(y - ref) <= 2.0 ** -22 * (w.shape[0] + 4) * scale + 1e-30)
-
-
-def test_rounding_to_bfloat16_is_torchs() -> None:
-    rng = np.random.default_rng(0)
-    x = np.concatenate([rng.standard_normal(10000).astype(np.float32) * 10.0 ** rng.integers(-40, 38, 10000),
-                        np.array([0.0, -0.0, np.inf, -np.inf, 1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8, 3.4e38, 1e-45],
-                                 np.float32)]).astype(np.float32)  # ties round to even both ways
-    want = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-    np.testing.assert_array_equal(bf16_bits(x), want)
-    assert np.isnan(bf16_to_float32(bf16_bits(np.array([np.nan], np.float32))))[0]
-
-
-def test_packing_round_trips_the_rounded_weights() -> None:
-    w = np.random.default_rng(1).standard_normal((37, 50)).astype(np.float32)
-    packed = pack_bf16(w)
-    assert packed.shape == (4, 19, 16, 2) and packed.dtype == np.uint16
-    np.testing.assert_array_equal(unpack_bf16(packed, 37, 50), bf16_to_float32(bf16_bits(w)))
-    assert not packed[-1, :, 2:].any() and not packed[:, -1, :, 1].any()  # N and K padding is zero
-
-
-@settings(max_examples=60, deadline=None)
-@given(m=st.integers(0, 150), k=st.integers(1, 300), n=st.integers(1, 100), rank=st.sampled_from([2, 3]),
-       threads=st.sampled_from([1, 2]), dot=st.sampled_from(["1", "0"]), seed=st.integers(0, 2**31 - 1))
-def test_kernel_matches_the_bf16_product(m: int, k: int, n: int, rank: int, threads: int, dot: str,
-                                         seed: int) -> None:
-    rng = np.random.default_rng(seed)
-    a = rng.standard_normal((m, k)).astype(np.float32)
-    if rank == 3:
-        a = a.reshape(1, m, k)
-    w = rng.standard_normal((k, n)).astype(np.float32)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OPTIMIZE_BF16_DOT", dot)  # read when the session creates its kernel
-        check(a, w, run_op(a, w, threads))
-
-
-@pytest.mark.parametrize("dot", ["1", "0"])
-def test_model_sized_products_through_the_thread_pool(monkeypatch: pytest.MonkeyPatch, dot: str) -> None:
-    monkeypatch.setenv("OPTIMIZE_BF16_DOT", dot)
-    rng = np.random.default_rng(2)
-    w = rng.standard_normal((768, 2304)).astype(np.float32)
-    for m in (1, 16, 203):
-        a = rng.standard_normal((m, 768)).astype(np.float32)
-        check(a, w, run_op(a, w, threads=2))
-
-
-def test_both_paths_agree() -> None:
-    rng = np.random.default_rng(3)
-    a, w = rng.standard_normal((40, 515)).astype(np.float32), rng.standard_normal((515, 70)).astype(np.float32)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OPTIMIZE_BF16_DOT", "0")
-        fma = run_op(a, w)
-    np.testing.assert_allclose(run_op(a, w), fma, rtol=1e-4, atol=1e-4)
-
-
-def test_a_weight_packed_for_another_shape_is_refused() -> None:
-    so = ort.SessionOptions()
-    pk.register(so)
-    w = np.ones((10, 20), np.float32)
-    sess = ort.InferenceSession(op_model(12, 20, pack_bf16(w)), so, providers=["CPUExecutionProvider"])
-    with pytest.raises(Exception, match=re.escape("w must be packed as [ceil(N / 16) = 2, ceil(K / 2) = 6, 16, 2] "
-                                                  "for K = 12, N = 20")):
-        sess.run(None, {"a": np.ones((3, 12), np.float32)})
-
-
-# ---- the recipe option and the demo model --------------------------------------------------------------
 
 PASSES = ("  - name: select_attention\n  - name: capture\n  - name: lower_onnx\n  - name: fuse\n"
           "  - name: package\n")
