@@ -2,7 +2,7 @@
 
 Endpoints:
 
-    POST /v1/completions        prompt (a string, token ids, or a list of up to 64 of those; several not streamed)
+    POST /v1/completions        prompt (a string, token ids, or a list of up to 64 of those)
     POST /v1/chat/completions   messages, rendered with the tokenizer's chat template
     GET  /v1/models             the served model (id = artifact name unless --served-model-name)
     POST /tokenize              vLLM's shape: prompt or messages -> token ids (also under /v1)
@@ -13,15 +13,25 @@ Endpoints:
     GET  /metrics               Prometheus text (runtime/metrics.py)
 
 Request fields: max_tokens (chat: also max_completion_tokens), temperature (default 1), top_p,
-top_k (extension; -1 or 0 = off), seed, stop (a string or a list), n (1..16; above 1 not streamed), stream,
-stream_options.include_usage, logprobs (completions: 0..20 alternatives; chat: bool with
-top_logprobs 0..20), echo (completions; with logprobs the prompt's tokens lead the logprobs object,
-not streamed; max_tokens 0 with echo scores the prompt alone), and the vLLM extensions prompt_logprobs
-(0..20, not streamed), ignore_eos, stop_token_ids and cache_salt (requests share prefix-cache blocks only with the same salt). Logprobs are log_softmax of the model's raw logits (before temperature/top-k/top-p).
-presence_penalty, frequency_penalty, repetition_penalty and min_p go to the sampler where this
-runtime's SamplingParams has them (else 400 unless neutral); logit_bias, best_of, suffix, tools
-and non-text response_format are refused (400) unless neutral; other unknown fields are ignored. completions default to 16
-tokens; chat defaults to the rest of the context.
+top_k (extension; -1 or 0 = off), seed, stop (a string or a list), n (1..16), best_of (completions:
+n..16; above n not streamed), stream, stream_options.include_usage, logprobs (completions: 0..20
+alternatives; chat: bool with top_logprobs 0..20), echo (completions; with logprobs the prompt's tokens
+lead the logprobs object, not streamed; max_tokens 0 with echo scores the prompt alone), and the vLLM
+extensions prompt_logprobs (0..20, not streamed), ignore_eos, stop_token_ids and cache_salt (requests
+share prefix-cache blocks only with the same salt). Logprobs are log_softmax of the model's raw logits
+(before temperature/top-k/top-p). presence_penalty, frequency_penalty, repetition_penalty and min_p go
+to the sampler where this runtime's SamplingParams has them (else 400 unless neutral); logit_bias,
+suffix, tools, non-text response_format and chat's best_of are refused (400) unless neutral; other
+unknown fields are ignored. completions default to 16 tokens; chat defaults to the rest of the context.
+
+Several choices (prompts x n): one engine request per sample, run together; choice index = prompt index
+x n + sample. With a seed, sample j > 0 samples with seed_for(seed, j), so sample 0 is what a request
+of n = 1 gives. Streamed, the choices interleave as their tokens come (each chunk one choice, with its
+index; each choice's own finish_reason on its last chunk; include_usage's last chunk sums the request,
+each prompt counted once). best_of > n (vLLM's): best_of samples per prompt (the ones n = best_of draws
+with the same seed), of which the n of highest cumulative logprob (the sum of the sampled tokens'
+logprobs, EOS or the stop token included) are returned, the most likely first; usage counts every
+sample's tokens (they were generated, as OpenAI bills best_of).
 
 Chat template: `chat_template` of tokenizer/tokenizer_config.json, rendered with a sandboxed
 Jinja2 environment (messages, add_generation_prompt=True, bos_token, eos_token). Without one the
@@ -65,7 +75,7 @@ import math
 import signal
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -311,7 +321,9 @@ def _text(value: str, param: str) -> str:
     return value
 
 
-def _refuse_unsupported(body: dict[str, Any]) -> None:
+def _refuse_unsupported(body: dict[str, Any], supported: tuple[str, ...] = ()) -> None:
+    """400 for a field this server does not implement, unless its value is neutral (or it is `supported`
+    by the endpoint, which then validates it itself)."""
     neutral: dict[str, Callable[[Any], bool]] = {
         "logit_bias": lambda v: not v,
         "best_of": lambda v: v in (None, 1),
@@ -321,7 +333,7 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
         "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") in (None, "text")),
     }
     for name, ok in neutral.items():
-        if name in body and not ok(body[name]):
+        if name in body and name not in supported and not ok(body[name]):
             raise _invalid(f"{name} is not supported by this server", name, "unsupported_parameter")
 
 
@@ -350,12 +362,21 @@ class _Parsed:
     vllm_prompt_logprobs: bool = False  # prompt_logprobs: the choice's `prompt_logprobs` list (vLLM's shape)
     score_only: bool = False  # max_tokens 0 with echo: the engine generates one token, which is not returned
     n: int = 1  # choices per prompt
+    best_of: int = 1  # samples per prompt (n, or completions' best_of), of which the n most likely are returned
     continuous_usage: bool = False  # stream_options.continuous_usage_stats
     more: list[tuple[list[int], str | None]] = dataclasses.field(default_factory=list)  # prompts 2.. (ids, echo)
+
+    def __post_init__(self) -> None:
+        self.best_of = max(self.best_of, self.n)  # n samples at least
 
     @property
     def num_choices(self) -> int:
         return (1 + len(self.more)) * self.n
+
+    @property
+    def ranked(self) -> bool:
+        """best_of > n: each prompt's samples are ranked by cumulative logprob and the n best returned."""
+        return self.best_of > self.n
 
 
 # --------------------------------------------------------------------------------------------
@@ -571,6 +592,7 @@ class _GuardedHandler(RequestHandler):
 # --------------------------------------------------------------------------------------------
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+_Jobs = list[tuple[GenerateRequest, "_Format"]]  # a request's engine requests, one per sample, with their formats
 
 
 class ServerShuttingDown(RuntimeError):
@@ -1005,7 +1027,7 @@ class Server:
         return await asyncio.get_running_loop().run_in_executor(self._pool, codec.encode, text, add_special)
 
     async def _parse_completion(self, body: dict[str, Any], codec: TextCodec) -> _Parsed:
-        _refuse_unsupported(body)
+        _refuse_unsupported(body, supported=("best_of",))
         prompt = body.get("prompt", _MISSING)
         if prompt is _MISSING or prompt is None:
             raise _invalid("prompt is required", "prompt", "missing_field")
@@ -1021,9 +1043,12 @@ class Server:
         ids = batch[0]
         stream, include_usage = self._stream_flags(body)
         n = _int(body, "n", 1, lo=1, hi=MAX_N)
-        if (len(batch) > 1 or n > 1) and stream:
-            raise _invalid("several prompts or n > 1 are not streamed; send the request with stream=false",
-                           "stream", "unsupported_value")
+        best_of = _int(body, "best_of", n, lo=1, hi=MAX_N)
+        if best_of < n:
+            raise _invalid(f"best_of ({best_of}) must be >= n ({n})", "best_of")
+        if best_of > n and stream:
+            raise _invalid("best_of > n is not streamed (the best are known at the end); send the request with "
+                           "stream=false", "stream", "unsupported_value")
         logprobs = _int(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS)
         echo = _bool(body, "echo", False)
         vllm_prompt = _int(body, "prompt_logprobs", None, lo=0, hi=MAX_LOGPROBS)
@@ -1041,7 +1066,7 @@ class Server:
         texts = [(item if isinstance(item, str) else codec.decode(b)) if echo else None
                  for item, b in zip(prompt if len(batch) > 1 else [prompt], batch, strict=True)]
         return _Parsed(ids, params, stream, include_usage, logprobs, texts[0], max(scored) if scored else None,
-                       echo_logprobs, vllm_prompt is not None, score_only, n, self._continuous_usage(body),
+                       echo_logprobs, vllm_prompt is not None, score_only, n, best_of, self._continuous_usage(body),
                        list(zip(batch[1:], texts[1:], strict=True)))
 
     async def _one_prompt(self, prompt: Any, codec: TextCodec, add_special: bool = True) -> list[int]:
@@ -1090,9 +1115,7 @@ class Server:
             max_tokens = _int(body, "max_tokens", None, lo=1)
         params = self._sampling(body, len(ids), max_tokens, codec.vocab_size, "messages")
         n = _int(body, "n", 1, lo=1, hi=MAX_N)
-        if n > 1 and stream:
-            raise _invalid("n > 1 is not streamed; send the request with stream=false", "stream", "unsupported_value")
-        return _Parsed(ids, params, stream, include_usage, (top or 0) if want else None, None, n=n,
+        return _Parsed(ids, params, stream, include_usage, (top or 0) if want else None, None, n=n, best_of=n,
                        continuous_usage=self._continuous_usage(body))
 
     def _cache_salt(self, request: web.Request, body: dict[str, Any]) -> str | None:
@@ -1130,16 +1153,15 @@ class Server:
         parsed = await (self._parse_chat(body, codec) if chat else self._parse_completion(body, codec))
         salt = self._cache_salt(request, body)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        if parsed.num_choices > 1:
-            return await self._generate_many(request, engine, codec, parsed, rid, salt, arrival, chat)
-        req = GenerateRequest(rid, parsed.prompt_ids, parsed.params, parsed.logprobs, arrival, cache_salt=salt,
-                              client=request.remote or "", prompt_logprobs=parsed.prompt_logprobs)
-        fmt = _ChatFormat(self, rid, codec) if chat else _CompletionFormat(self, rid, codec, parsed.echo_text, parsed)
+        jobs = self._jobs(request, codec, parsed, rid, salt, arrival, chat)
+        if parsed.stream:
+            return await self._stream(request, engine, jobs, parsed, rid)
+        if len(jobs) > 1:
+            return await self._generate_many(request, engine, jobs, parsed, rid, chat)
+        req, fmt = jobs[0]
         deadline = self.config.request_timeout
         try:
             async with engine.generate(req) as stream:
-                if parsed.stream:
-                    return await self._stream(request, stream, fmt, parsed, deadline)
                 lps: list[TokenLogprob] = []
                 final: RequestOutput | None = None
                 try:
@@ -1163,6 +1185,31 @@ class Server:
             raise self._engine_error(engine, exc) from None
         return await self._write(request, resp, rid)
 
+    def _jobs(self, request: web.Request, codec: TextCodec, parsed: _Parsed, rid: str, salt: str | None,
+              arrival: float, chat: bool) -> _Jobs:
+        """One engine request per sample: sample j (0 <= j < best_of, which is n unless best_of is given) of
+        prompt i is job i * best_of + j. With a seed, sample j samples with seed_for(seed, j) (j = 0 keeps the
+        seed itself, so n = 1 gives what a single request gives, and best_of draws the samples n = best_of
+        draws). A request of one job keeps the response id as its engine request id."""
+        prompts = [(parsed.prompt_ids, parsed.echo_text), *parsed.more]
+        single = len(prompts) * parsed.best_of == 1
+        # ranking needs each sampled token's logprob: asked of the engine even when the client did not ask
+        logprobs = 0 if parsed.logprobs is None and parsed.ranked else parsed.logprobs
+        jobs: _Jobs = []
+        for ids, echo in prompts:
+            for j in range(parsed.best_of):
+                params = parsed.params if j == 0 or parsed.params.seed is None else \
+                    dataclasses.replace(parsed.params, seed=seed_for(parsed.params.seed, j))
+                one = dataclasses.replace(parsed, prompt_ids=ids, echo_text=echo, params=params, n=1, best_of=1,
+                                          more=[])
+                req = GenerateRequest(rid if single else f"{rid}-{len(jobs)}", ids, params, logprobs, arrival,
+                                      cache_salt=salt, client=request.remote or "",
+                                      prompt_logprobs=parsed.prompt_logprobs)
+                fmt: _Format = _ChatFormat(self, rid, codec) if chat else \
+                    _CompletionFormat(self, rid, codec, echo, one)
+                jobs.append((req, fmt))
+        return jobs
+
     def _engine_error(self, engine: AsyncEngine, exc: Exception) -> APIError:
         """The HTTP error for an admission or engine failure (ValueError: refused by the engine itself)."""
         if isinstance(exc, QueueFull):
@@ -1185,23 +1232,14 @@ class Server:
             self._cut(request, rid)
         return resp
 
-    async def _generate_many(self, request: web.Request, engine: AsyncEngine, codec: TextCodec, parsed: _Parsed,
-                             rid: str, salt: str | None, arrival: float, chat: bool) -> web.StreamResponse:
-        """Several prompts and/or n > 1 (not streamed): one engine request per choice, run together. Choice
-        k = prompt index * n + j; with a seed, choice j of a prompt samples with seed_for(seed, j) (j = 0 keeps
-        the seed itself, so n = 1 gives what a single request gives); usage sums the prompts once each and
-        every choice's completion."""
-        prompts = [(parsed.prompt_ids, parsed.echo_text), *parsed.more]
-        jobs = []
-        for ids, echo in prompts:
-            for j in range(parsed.n):
-                params = parsed.params if j == 0 or parsed.params.seed is None else \
-                    dataclasses.replace(parsed.params, seed=seed_for(parsed.params.seed, j))
-                one = dataclasses.replace(parsed, prompt_ids=ids, echo_text=echo, params=params, n=1, more=[])
-                req = GenerateRequest(f"{rid}-{len(jobs)}", ids, params, parsed.logprobs, arrival, cache_salt=salt,
-                                      client=request.remote or "", prompt_logprobs=parsed.prompt_logprobs)
-                fmt: _Format = _ChatFormat(self, rid, codec) if chat else _CompletionFormat(self, rid, codec, echo, one)
-                jobs.append((req, fmt))
+    async def _generate_many(self, request: web.Request, engine: AsyncEngine, jobs: _Jobs, parsed: _Parsed, rid: str,
+                             chat: bool) -> web.StreamResponse:
+        """Several prompts, n > 1 or best_of > n (not streamed): the jobs (`_jobs`) run together. Choice
+        k = prompt index * n + rank: without best_of the ranks are the samples in order; with best_of > n
+        they are the n samples of highest cumulative logprob (the sum of the logprobs of the tokens each
+        sampled, EOS or the stop token included), the most likely first (vLLM's best_of). Usage counts each
+        prompt once and every sample's completion tokens, best_of's unreturned samples too (they were
+        generated)."""
 
         async def collect(stream: RequestStream) -> tuple[RequestOutput, list[TokenLogprob]]:
             lps: list[TokenLogprob] = []
@@ -1230,20 +1268,19 @@ class Server:
                                    code="request_timeout") from None
         except (QueueFull, EngineDeadError, ServerShuttingDown, ValueError) as exc:
             raise self._engine_error(engine, exc) from None
-        choices, prompt_tokens, completion_tokens, cached = [], 0, 0, 0
-        for k, ((_, fmt), (final, lps)) in enumerate(zip(jobs, results, strict=True)):
-            body = fmt.response(final, lps if parsed.logprobs is not None else None)
-            choice = {**body["choices"][0], "index": k}
-            choices.append(choice)
-            completion_tokens += body["usage"]["completion_tokens"]
-            if k % parsed.n == 0:  # each prompt once
-                prompt_tokens += body["usage"]["prompt_tokens"]
-                cached += body["usage"]["prompt_tokens_details"]["cached_tokens"]
-        first = jobs[0][1]
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                 "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
-        resp = web.json_response({**first.envelope("chat.completion" if chat else "text_completion", choices),
-                                  "usage": usage}, dumps=_dumps)
+        bodies = [fmt.response(final, lps if parsed.logprobs is not None else None)
+                  for (_, fmt), (final, lps) in zip(jobs, results, strict=True)]
+        per = parsed.best_of
+        choices = []
+        for first in range(0, len(jobs), per):
+            samples = list(range(first, first + per))
+            if parsed.ranked:  # a stable sort: equally likely samples keep their order
+                samples.sort(key=lambda j: -math.fsum(lp.logprob for lp in results[j][1]))
+            for rank, j in enumerate(samples[:parsed.n]):
+                choices.append({**bodies[j]["choices"][0], "index": first // per * parsed.n + rank})
+        usage = _total_usage([b["usage"] for b in bodies], per)
+        envelope = jobs[0][1].envelope("chat.completion" if chat else "text_completion", choices)
+        resp = web.json_response({**envelope, "usage": usage}, dumps=_dumps)
         return await self._write(request, resp, rid)
 
     def _cut(self, request: web.Request, rid: str) -> None:
@@ -1260,28 +1297,50 @@ class Server:
         except TimeoutError:
             raise _SlowClient from None
 
-    async def _stream(self, request: web.Request, stream: RequestStream, fmt: _Format, parsed: _Parsed,
-                      deadline: float) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, engine: AsyncEngine, jobs: _Jobs, parsed: _Parsed,
+                      rid: str) -> web.StreamResponse:
+        """Server-sent events. Several jobs (prompts, n > 1) stream interleaved as their tokens come, as
+        OpenAI streams several choices: each chunk carries one choice, with its index and, on its last
+        chunk, its finish_reason; include_usage's final chunk sums the choices as the response without
+        stream does (each prompt once)."""
+        try:
+            async with contextlib.AsyncExitStack() as stack:
+                streams = [await stack.enter_async_context(engine.generate(req)) for req, _ in jobs]
+                return await self._events(request, streams, [fmt for _, fmt in jobs], parsed, rid)
+        except (QueueFull, EngineDeadError, ServerShuttingDown, ValueError) as exc:
+            raise self._engine_error(engine, exc) from None
+
+    async def _events(self, request: web.Request, streams: list[RequestStream], fmts: list[_Format],
+                      parsed: _Parsed, rid: str) -> web.StreamResponse:
+        deadline = self.config.request_timeout
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Accel-Buffering": "no"})
         _allow_origin(request, resp)
+        logprobs = parsed.logprobs is not None
         try:
             async with asyncio.timeout(self.config.write_timeout):
                 await resp.prepare(request)
-            for chunk in fmt.start():
-                await self._send(resp, _event(chunk))
+            for k, fmt in enumerate(fmts):
+                for chunk in fmt.start():
+                    await self._send(resp, _event(_indexed(chunk, k)))
+            finals: dict[int, RequestOutput] = {}
             try:
-                async with asyncio.timeout(deadline):
-                    async for out in stream:
-                        chunk = fmt.chunk(out, parsed.logprobs is not None)
+                async with asyncio.timeout(deadline), contextlib.aclosing(_merged(streams)) as outputs:
+                    async for k, out in outputs:
+                        chunk = fmts[k].chunk(out, logprobs)
                         if chunk is not None:
-                            if parsed.continuous_usage:
-                                chunk["usage"] = fmt.usage(out)
-                            await self._send(resp, _event(chunk))
-                        if out.finished and parsed.include_usage:
-                            await self._send(resp, _event(fmt.usage_chunk(out)))
+                            if parsed.continuous_usage:  # this choice's usage so far (vLLM's, per choice)
+                                chunk["usage"] = fmts[k].usage(out)
+                            await self._send(resp, _event(_indexed(chunk, k)))
+                        if out.finished:
+                            finals[k] = out
+                if parsed.include_usage and len(finals) == len(fmts):
+                    usage = _total_usage([fmts[k].usage(finals[k]) for k in range(len(fmts))], parsed.n)
+                    last = fmts[0].envelope(fmts[0].chunk_object, [])
+                    await self._send(resp, _event({**last, "usage": usage}))
             except TimeoutError:
-                stream.abort_reason = "timeout"
+                for stream in streams:
+                    stream.abort_reason = "timeout"
                 await self._send(resp, _event(APIError(ErrorKind.TIMEOUT, f"the request took longer than {deadline:g} s",
                                                        code="request_timeout").error_body()))
             except (EngineDeadError, ServerShuttingDown, ValueError) as exc:
@@ -1293,9 +1352,9 @@ class Server:
             async with asyncio.timeout(self.config.write_timeout):
                 await resp.write_eof()
         except (_SlowClient, TimeoutError):
-            self._cut(request, stream.request_id)
+            self._cut(request, rid)
         except ConnectionResetError:
-            log.debug("client of %s went away", stream.request_id)  # the context manager aborts it
+            log.debug("client of %s went away", rid)  # the context managers abort its requests
         return resp
 
 
@@ -1315,6 +1374,52 @@ def seed_for(seed: int, choice: int) -> int:
     """The seed of choice `choice` (>= 1) of a request with `seed`: distinct per choice, the same every time."""
     digest = hashlib.blake2b(f"{seed}:{choice}".encode(), digest_size=8, person=b"choice-seed").digest()
     return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(index, output) from several request streams as the outputs come (the lower index first among those
+    ready together), until every stream has finished; an error of any stream is raised."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    iters = [aiter(s) for s in streams]
+    pending: dict[asyncio.Future[RequestOutput], int] = {
+        asyncio.ensure_future(anext(it)): k for k, it in enumerate(iters)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for fut in sorted(done, key=pending.__getitem__):
+                k = pending.pop(fut)
+                try:
+                    out = fut.result()
+                except StopAsyncIteration:
+                    continue
+                yield k, out
+                if not out.finished:
+                    pending[asyncio.ensure_future(anext(iters[k]))] = k
+    finally:
+        for fut in pending:
+            if not fut.done():
+                fut.cancel()
+            elif not fut.cancelled():
+                fut.exception()  # retrieved: a second failure is not logged as never retrieved
+
+
+def _indexed(chunk: dict[str, Any], index: int) -> dict[str, Any]:
+    """A one-choice chunk as choice `index` of its request."""
+    chunk["choices"][0]["index"] = index
+    return chunk
+
+
+def _total_usage(usages: list[dict[str, Any]], per_prompt: int) -> dict[str, Any]:
+    """The usage of a request from its samples' usages (`per_prompt` samples of each prompt in a row): each
+    prompt's tokens (and cached tokens) once, every sample's completion tokens."""
+    prompt = sum(u["prompt_tokens"] for u in usages[::per_prompt])
+    cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages[::per_prompt])
+    completion = sum(u["completion_tokens"] for u in usages)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _event(obj: dict[str, Any]) -> bytes:
@@ -1345,9 +1450,6 @@ class _Format:
     def envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.server.model_id,
                 "choices": choices}
-
-    def usage_chunk(self, out: RequestOutput) -> dict[str, Any]:
-        return {**self.envelope(self.chunk_object, []), "usage": self.usage(out)}
 
     def start(self) -> list[dict[str, Any]]:
         return []

@@ -1,6 +1,7 @@
 """What real clients send: prompt logprobs (the engine's `prompt_logprobs=N`; the server's `echo` + `logprobs`,
 `max_tokens: 0` and vLLM's `prompt_logprobs`) against transformers' log-softmax of the same prompt (the demo
-model, fp32); vLLM's tokenizer endpoints; several prompts per request and n > 1.
+model, fp32); vLLM's tokenizer endpoints; several prompts per request and n > 1, streamed
+or not; best_of.
 
 What evaluation harnesses send for loglikelihood tasks (lm-evaluation-harness `local-completions`):
 `{"prompt": [[ids...]], "echo": true, "logprobs": 1, "max_tokens": 1, "temperature": 0}`, then they read
@@ -10,6 +11,7 @@ What evaluation harnesses send for loglikelihood tasks (lm-evaluation-harness `l
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,7 +20,7 @@ import pytest
 import torch
 import transformers
 from conftest import DEMO_MODEL
-from test_server import API_KEY, MODEL, ServerProcess, post
+from test_server import API_KEY, MODEL, ServerProcess, post, wait_idle
 
 from runtime.engine import LLMEngine
 from runtime.sampling import SamplingParams
@@ -242,3 +244,105 @@ def test_add_special_tokens_and_continuous_usage(server: ServerProcess) -> None:
     counts = [ch.usage.completion_tokens for ch in chunks if ch.choices and ch.usage is not None]
     assert counts and counts == sorted(counts) and counts[-1] == 6
     assert all(ch.usage.prompt_tokens == with_bos for ch in chunks if ch.usage is not None)
+
+
+# ---- streams of several choices, best_of ------------------------------------------------------------------
+
+
+def _gather(chunks: list, chat: bool = False) -> tuple[dict[int, str], dict[int, str | None], list[int]]:
+    """A stream's texts and finish reasons by choice index, and the index of each chunk in order."""
+    texts: dict[int, str] = {}
+    reasons: dict[int, str | None] = {}
+    order = []
+    for ch in chunks:
+        for c in ch.choices:
+            piece = c.delta.content if chat else c.text
+            texts[c.index] = texts.get(c.index, "") + (piece or "")
+            if c.finish_reason is not None:
+                assert c.index not in reasons, "one finish_reason per choice"
+                reasons[c.index] = c.finish_reason
+            order.append(c.index)
+    return texts, reasons, order
+
+
+def test_streamed_n_choices_equal_the_unstreamed_ones(server: ServerProcess) -> None:
+    """OpenAI's shape for n > 1 in a stream: the choices interleave, each chunk names its choice's index, each
+    choice ends with its own finish_reason, and include_usage's last chunk carries the whole request's usage.
+    With a seed, the texts are those of the same request without stream."""
+    client = server.client()
+    kw = {"model": MODEL, "prompt": "def f(x):\n", "max_tokens": 12, "temperature": 1.0, "seed": 11, "n": 3}
+    plain = client.completions.create(**kw)
+    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    texts, reasons, order = _gather(chunks)
+    assert texts == {c.index: c.text for c in plain.choices} and len(set(texts.values())) > 1
+    assert reasons == {c.index: c.finish_reason for c in plain.choices}
+    assert order != sorted(order)  # interleaved as the tokens came, not one choice after another
+    usage = chunks[-1].usage
+    assert not chunks[-1].choices and all(ch.usage is None for ch in chunks[:-1])
+    assert (usage.prompt_tokens, usage.completion_tokens) == (plain.usage.prompt_tokens, plain.usage.completion_tokens)
+    # chat: the same, with the role announced once per choice
+    messages = [{"role": "user", "content": "x = 1"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, n=3, seed=5)
+    stream = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, n=3, seed=5,
+                                                 stream=True))
+    texts, reasons, _ = _gather(stream, chat=True)
+    assert texts == {c.index: c.message.content for c in chat.choices}
+    assert reasons == {c.index: c.finish_reason for c in chat.choices}
+    roles = [c.index for ch in stream for c in ch.choices if c.delta.role == "assistant"]
+    assert sorted(roles) == [0, 1, 2]
+
+
+def test_a_streamed_list_of_prompts_equals_the_prompts_one_by_one(server: ServerProcess) -> None:
+    client = server.client()
+    prompts = ["def fibonacci(n):\n    if", "import os\nimport", "class Foo:\n    def"]
+    chunks = list(client.completions.create(model=MODEL, prompt=prompts, max_tokens=10, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    texts, reasons, _ = _gather(chunks)
+    singles = [client.completions.create(model=MODEL, prompt=p, max_tokens=10, temperature=0) for p in prompts]
+    assert texts == {k: s.choices[0].text for k, s in enumerate(singles)}
+    assert reasons == {k: s.choices[0].finish_reason for k, s in enumerate(singles)}
+    assert chunks[-1].usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles)
+    assert chunks[-1].usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
+    # two prompts, two choices each: choice k = prompt * n + j, as without stream
+    kw = {"model": MODEL, "prompt": prompts[:2], "max_tokens": 8, "temperature": 1.0, "seed": 2, "n": 2}
+    texts, _, _ = _gather(list(client.completions.create(**kw, stream=True)))
+    assert texts == {c.index: c.text for c in client.completions.create(**kw).choices}
+
+
+def test_a_client_leaving_a_stream_of_several_choices_aborts_them_all(server: ServerProcess) -> None:
+    aborted = 'optimize_requests_finished_total{finish_reason="abort"}'
+    before = wait_idle(server)
+    stream = server.client().completions.create(model=MODEL, prompt=["import os\n", "def f():\n"], n=3,
+                                                max_tokens=900, stream=True, extra_body={"ignore_eos": True})
+    seen = {c.index for ch, _ in zip(stream, range(12), strict=False) for c in ch.choices}
+    assert seen and seen <= set(range(6))
+    stream.close()  # the connection goes: its six engine requests are aborted, their KV blocks freed
+    after = wait_idle(server)
+    assert after["optimize_kv_blocks_used"] == 0 and after[aborted] - before[aborted] == 6
+
+
+def test_best_of_returns_the_most_likely_of_its_samples(server: ServerProcess) -> None:
+    """best_of = 4 with a seed draws the samples n = 4 draws with that seed, and returns the n of highest
+    cumulative logprob (the sum of the sampled tokens' logprobs), the most likely first."""
+    body = {"prompt": "def add(a, b):\n", "max_tokens": 10, "temperature": 1.0, "seed": 21}
+    status, samples = _post(server, {**body, "n": 4, "logprobs": 0})
+    assert status == 200, samples
+    cum = [math.fsum(c["logprobs"]["token_logprobs"]) for c in samples["choices"]]
+    texts = [c["text"] for c in samples["choices"]]
+    assert len(set(texts)) > 1 and len(set(cum)) == 4  # distinct samples: the choice means something
+    ranked = sorted(range(4), key=lambda j: -cum[j])
+    assert ranked[0] != 0 and min(abs(a - b) for a in cum for b in cum if a != b) > 0.1  # a seed where order matters
+    status, best = _post(server, {**body, "n": 1, "best_of": 4})
+    assert status == 200, best
+    assert [c["text"] for c in best["choices"]] == [texts[ranked[0]]] and best["choices"][0]["logprobs"] is None
+    # every sample was generated: usage counts them all (as OpenAI bills best_of)
+    assert best["usage"]["completion_tokens"] == samples["usage"]["completion_tokens"]
+    status, two = _post(server, {**body, "n": 2, "best_of": 4, "logprobs": 0})
+    assert status == 200, two
+    assert [c["text"] for c in two["choices"]] == [texts[j] for j in ranked[:2]]
+    assert [c["index"] for c in two["choices"]] == [0, 1]
+    assert [math.fsum(c["logprobs"]["token_logprobs"]) for c in two["choices"]] == \
+        pytest.approx([cum[j] for j in ranked[:2]], abs=1e-5)
+    # best_of = n is plain sampling (nothing is ranked)
+    status, same = _post(server, {**body, "n": 4, "best_of": 4})
+    assert [c["text"] for c in same["choices"]] == texts
