@@ -310,6 +310,105 @@ def test_rotary_kernel_refuses_positions_outside_the_cache_before_any_write() ->
     np.testing.assert_array_equal(feeds["kc"], kc0)
 
 
+# ---- int8 pools (quantize_kv_cache int8): codes with one scale per KV head ------------------------------------
+
+
+def int8_model(rope: bool, num_heads: int, kv_heads: int, head_dim: int, scale: float, window: int,
+               rotary_dim: int = 0, interleaved: int = 0) -> bytes:
+    """The op with int8 pools and its k_scale / v_scale inputs."""
+    import onnx
+
+    model = onnx.load_from_string(rope_model(num_heads, kv_heads, head_dim, scale, window, rotary_dim, interleaved)
+                                  if rope else op_model(num_heads, kv_heads, head_dim, scale, window))
+    g = model.graph
+    for inp in g.input:
+        if inp.name in ("kc", "vc"):
+            inp.type.tensor_type.elem_type = TensorProto.INT8
+    g.input.extend([helper.make_tensor_value_info(n, TensorProto.FLOAT, ["S"]) for n in ("ks", "vs")])
+    g.node[0].input.extend(["ks", "vs"])
+    return model.SerializeToString()
+
+
+def quantize(x: np.ndarray, scales: np.ndarray, kv_heads: int) -> np.ndarray:
+    """x [..., kv_heads * D] -> int8 codes per head as QuantizeLinear writes them (x / s, ties to even)."""
+    h = x.reshape(*x.shape[:-1], kv_heads, x.shape[-1] // kv_heads)
+    return np.clip(np.rint(h / scales[:, None]), -128, 127).astype(np.int8).reshape(x.shape)
+
+
+@pytest.mark.parametrize("threads", [1, 2], ids=["inline", "thread_pool"])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=rope_steps(), rope=st.booleans())
+def test_int8_pools_attend_to_the_dequantized_past_and_store_codes(case: dict, rope: bool, threads: int,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """With int8 pools the kernel equals the reference on the dequantized pools (code * head scale), with
+    the step's K/V quantized first as they will be read back; it writes exactly QuantizeLinear's codes at
+    the step's slots (rotated keys for the rotary op) and nothing else."""
+    monkeypatch.setenv("OPTIMIZE_PAGED_CPU_INLINE_WORK", "0" if threads > 1 else str(1 << 62))
+    rng = np.random.default_rng(case["seed"])
+    heads, kvh, d, bs = case["num_heads"], case["kv_heads"], case["head_dim"], case["block_size"]
+    scale = float(case["scale"] or 1.0 / np.sqrt(d))
+    feeds = make_step(rng, case["pasts"], case["news"], bs, kvh, d, heads)
+    ks, vs = rng.uniform(0.01, 0.05, kvh).astype(np.float32), rng.uniform(0.01, 0.05, kvh).astype(np.float32)
+    kc = rng.integers(-128, 128, feeds["kc"].shape).astype(np.int8)
+    vc = rng.integers(-128, 128, feeds["vc"].shape).astype(np.int8)
+    k_new = feeds["k"]
+    r = case["rotary_dim"] or d
+    extra: dict[str, np.ndarray] = {}
+    if rope:
+        rows = 150
+        angles = rng.uniform(0, 2 * np.pi, (rows, r // 2))
+        extra = {"pos": rng.integers(0, rows, feeds["q"].shape[0]).astype(np.int64),
+                 "cos": np.cos(angles).astype(np.float32), "sin": np.sin(angles).astype(np.float32)}
+        k_new = rotate(feeds["k"], kvh, extra["pos"], extra["cos"], extra["sin"], r, case["interleaved"])
+    k_codes, v_codes = quantize(k_new, ks, kvh), quantize(feeds["v"], vs, kvh)
+    deq = lambda c, sc: (c.reshape(*c.shape[:-1], kvh, d).astype(np.float32) * sc[:, None]).reshape(c.shape)  # noqa: E731
+    ref_feeds = dict(feeds, q=rotate(feeds["q"], heads, extra["pos"], extra["cos"], extra["sin"], r,
+                                     case["interleaved"]) if rope else feeds["q"],
+                     k=deq(k_codes, ks), v=deq(v_codes, vs),
+                     kc=kc.astype(np.float32) * ks[:, None], vc=vc.astype(np.float32) * vs[:, None])
+    want = reference(ref_feeds, heads, kvh, case["window"], scale)
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    pk.register(so)
+    sess = ort.InferenceSession(int8_model(rope, heads, kvh, d, scale, case["window"], case["rotary_dim"],
+                                           case["interleaved"]), so, providers=["CPUExecutionProvider"])
+    kc0, vc0 = kc.copy(), vc.copy()
+    run_feeds = {"kc": kc, "vc": vc, "ks": ks, "vs": vs, **{n: feeds[n] for n in ("cu", "past", "bt")}}
+    if rope:
+        run_feeds.update(extra, qkv=np.concatenate([feeds["q"], feeds["k"], feeds["v"]], axis=1))
+    else:
+        run_feeds.update({n: feeds[n] for n in ("q", "k", "v")})
+    got = sess.run(None, run_feeds)[0]
+    err = np.abs(got - want).max(initial=0.0) / max(1.0, float(np.abs(want).max(initial=0.0)))
+    assert err < TOL, f"max relative error {err:.3g}"
+    slots = written_slots(feeds, bs)
+    for pool, before, codes in ((kc, kc0, k_codes), (vc, vc0, v_codes)):
+        flat, flat0 = pool.reshape(-1, kvh * d), before.reshape(-1, kvh * d)
+        if rope:  # float32 rotation in the kernel vs float64 here: a code may sit one step away at a tie
+            assert np.abs(flat[slots].astype(np.int16) - codes).max(initial=0) <= 1
+        else:
+            np.testing.assert_array_equal(flat[slots], codes)
+        keep = np.setdiff1d(np.arange(flat.shape[0]), slots)
+        np.testing.assert_array_equal(flat[keep], flat0[keep])
+
+
+def test_int8_pools_need_their_scales_and_float_pools_take_none() -> None:
+    rng = np.random.default_rng(5)
+    feeds = make_step(rng, [5, 20], [3, 1], 4, 2, 16, 4)
+    so = ort.SessionOptions()
+    pk.register(so)
+    sess = ort.InferenceSession(int8_model(False, 4, 2, 16, 0.25, -1), so, providers=["CPUExecutionProvider"])
+    kc = np.zeros(feeds["kc"].shape, np.int8)
+    base = {**{n: feeds[n] for n in ("q", "k", "v", "cu", "past", "bt")}, "kc": kc, "vc": kc.copy()}
+    with pytest.raises(Exception, match="k_scale must have kv_num_heads = 2 entries"):
+        sess.run(None, dict(base, ks=np.ones(3, np.float32), vs=np.ones(2, np.float32)))
+    with pytest.raises(Exception, match="the KV scales must be positive and finite"):
+        sess.run(None, dict(base, ks=np.ones(2, np.float32), vs=np.array([1.0, 0.0], np.float32)))
+    assert not kc.any()
+    float_with_scales = session(4, 2, 16, 0.25, -1)  # float pools, 8 inputs: fine
+    float_with_scales.run(None, feeds)
+
+
 # ---- optimize.QuantizeRows: the per-token INT8 activation quantization as one node -------------------------
 
 

@@ -105,6 +105,9 @@ typedef struct {
     const float *cos, *sin;
     int64_t rdim, interleaved;
     float *kc, *vc;
+    /* int8 pools (quantize_kv_cache int8): codes and one scale per KV head; kc/vc are NULL then */
+    int8_t *kc8, *vc8;
+    const float *k_scale, *v_scale;
     const int32_t *cu, *past, *bt;
     float *out;
     int64_t max_blocks, block_size, num_heads, kv_heads, head_dim, group, window;
@@ -285,16 +288,46 @@ static inline void rope_row(float *dst, const float *src, int64_t D, int64_t R, 
     for (int64_t d = R; d < D; d++) dst[d] = src[d] * mult;
 }
 
+typedef int8_t v16i8 __attribute__((vector_size(16)));
+
+/* dst[0:D] = codes * scale (DequantizeLinear with zero point 0) */
+static inline void dequant_row(float *dst, const int8_t *src, int64_t D, float scale) {
+    int64_t d = 0;
+    for (; d + VL <= D; d += VL) {
+        v16i8 c;
+        memcpy(&c, src + d, sizeof c);
+        vstore(dst + d, __builtin_convertvector(c, v16f) * scale);
+    }
+    for (; d < D; d++) dst[d] = (float)src[d] * scale;
+}
+
+/* dst[0:D] = saturate(round_half_even(src / scale)) as QuantizeLinear to int8 (zero point 0) writes it */
+static inline void quant_row(int8_t *dst, const float *src, int64_t D, float scale) {
+    for (int64_t d = 0; d < D; d++) {
+        float v = nearbyintf(src[d] / scale);
+        v = v < -128.0f ? -128.0f : v > 127.0f ? 127.0f : v;
+        dst[d] = (int8_t)v;
+    }
+}
+
 /* krow/vrow[jj] = the pool rows of keys j0 + jj (jj < nk; the rest repeat key j0's), walking the block
  * table with one division per chunk */
 static inline void chunk_rows(const Job *job, const int32_t *table, int64_t kv_head, int64_t j0, int64_t nk,
-                              const float **krow, const float **vrow) {
+                              const float **krow, const float **vrow, float *kbuf, float *vbuf) {
     const int64_t BS = job->block_size, KVH = job->kv_heads, D = job->head_dim;
     int64_t blk = j0 / BS, off = j0 % BS;
     for (int64_t jj = 0; jj < nk; jj++) {
         const int64_t row = (((int64_t)table[blk] * BS + off) * KVH + kv_head) * D;
-        krow[jj] = job->kc + row;
-        vrow[jj] = job->vc + row;
+        if (job->kc8) { /* int8 pools: the chunk's rows dequantized into the item's scratch (code * scale) */
+            float *kd = kbuf + jj * D, *vd = vbuf + jj * D;
+            dequant_row(kd, job->kc8 + row, D, job->k_scale[kv_head]);
+            dequant_row(vd, job->vc8 + row, D, job->v_scale[kv_head]);
+            krow[jj] = kd;
+            vrow[jj] = vd;
+        } else {
+            krow[jj] = job->kc + row;
+            vrow[jj] = job->vc + row;
+        }
         if (++off == BS) {
             off = 0;
             blk++;
@@ -317,7 +350,7 @@ static inline __attribute__((always_inline)) void attend_lanes(const Job *job, c
     const int64_t H = job->num_heads, past = job->past[it.seq], row0 = job->cu[it.seq];
     const int32_t *table = job->bt + (int64_t)it.seq * job->max_blocks;
     const int64_t window = job->window;
-    float *Qt = scratch, *Ot = Qt + D * VL;
+    float *Qt = scratch, *Ot = Qt + D * VL, *kbuf = Ot + D * VL, *vbuf = kbuf + D * VL;
     const float *krow[VL], *vrow[VL];
     for (int64_t g0 = 0; g0 < R; g0 += VL) {
         const int64_t nr = R - g0 < VL ? R - g0 : VL;
@@ -336,7 +369,7 @@ static inline __attribute__((always_inline)) void attend_lanes(const Job *job, c
         v16f m = vsplat(-INFINITY), l = {0};
         for (int64_t j0 = k_begin; j0 <= p_max; j0 += VL) {
             const int64_t nk = (p_max - j0 + 1) < VL ? (p_max - j0 + 1) : VL;
-            chunk_rows(job, table, it.kv_head, j0, nk, krow, vrow);
+            chunk_rows(job, table, it.kv_head, j0, nk, krow, vrow, kbuf, vbuf);
             v16f sc[VL];
             for (int64_t jj = 0; jj < VL; jj++) sc[jj] = (v16f){0};
             for (int64_t d = 0; d < D; d++) {
@@ -401,13 +434,15 @@ static void run_item(Job *job, size_t index) {
     const int lanes = R >= LANES_MIN; /* many rows: attend_lanes */
 
     /* scratch: Q [Rp][Dp] (scaled; zero rows/columns pad to whole passes and vectors), acc [Rp][Dp],
-     * attend_lanes' Qt and Ot [D][VL], m [R], l [R] */
-    float *mem = (float *)malloc(sizeof(float) * (size_t)(2 * Rp * Dp + 2 * D * VL + 2 * R + 2 * VL));
+     * attend_lanes' Qt and Ot [D][VL], a chunk's dequantized K and V rows [VL][D] each (int8 pools),
+     * m [R], l [R] */
+    float *mem = (float *)malloc(sizeof(float) * (size_t)(2 * Rp * Dp + 4 * D * VL + 2 * R + 2 * VL));
     if (!mem) {
         job->failed = 1;
         return;
     }
-    float *Q = mem, *acc = Q + Rp * Dp, *lanes_scratch = acc + Rp * Dp, *m = lanes_scratch + 2 * D * VL, *l = m + R;
+    float *Q = mem, *acc = Q + Rp * Dp, *lanes_scratch = acc + Rp * Dp, *m = lanes_scratch + 4 * D * VL, *l = m + R;
+    float *kbuf = lanes_scratch + 2 * D * VL, *vbuf = kbuf + D * VL;
     memset(mem, 0, sizeof(float) * (size_t)(2 * Rp * Dp));
     for (int64_t i = 0; i < nq; i++) {
         const int64_t t = row0 + it.q0 + i;
@@ -442,7 +477,7 @@ static void run_item(Job *job, size_t index) {
 
     for (int64_t j0 = k_begin; j0 <= p_last; j0 += VL) {
         const int64_t nk = (p_last - j0 + 1) < VL ? (p_last - j0 + 1) : VL;
-        chunk_rows(job, table, it.kv_head, j0, nk, krow, vrow);
+        chunk_rows(job, table, it.kv_head, j0, nk, krow, vrow, kbuf, vbuf);
         for (int64_t r0 = 0; r0 < R; r0 += NR) {
             const int64_t nr = R - r0 < NR ? R - r0 : NR;
             /* rows r0..r0+nr: skip when no key of this chunk is visible to any of them */
@@ -517,14 +552,17 @@ static OrtStatus *read_input(OrtKernelContext *ctx, size_t index, Tensor *t) {
         return status(ORT_INVALID_ARGUMENT, msg);                                                          \
     } while (0)
 
-/* Element types of the two ops' inputs (F float32, I int32, L int64), in order. */
-static const char PLAIN_TYPES[] = "FFFFFIII";
-static const char ROPE_TYPES[] = "FLFFFFIII";
+/* Element types of the two ops' inputs (F float32, I int32, L int64, U any: the pools are float32 or
+ * int8), in order; the last two (k_scale, v_scale) are optional. */
+static const char PLAIN_TYPES[] = "FFFUUIIIFF";
+static const char ROPE_TYPES[] = "FLFFUUIIIFF";
+#define N_SCALES 2
 
 static ONNXTensorElementDataType type_of(char c) {
     return c == 'F' ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT
          : c == 'I' ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32
-         : c == 'B' ? ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16 : ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+         : c == 'B' ? ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16
+         : c == 'U' ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED : ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
 }
 
 static OrtStatus *quantize_rows_compute(OrtKernelContext *ctx);
@@ -536,26 +574,41 @@ static OrtStatus *compute(void *op_kernel, OrtKernelContext *ctx) {
     if (k->bf16) return matmul_bf16_compute(k, ctx);
     const char *opname = k->rope ? ROPE_OP_NAME : OP_NAME;
     const char *types = k->rope ? ROPE_TYPES : PLAIN_TYPES;
-    const size_t n_in = strlen(types);
+    const size_t n_all = strlen(types), n_req = n_all - N_SCALES;
     char msg[320];
-    Tensor in[9];
+    Tensor in[11];
     size_t count = 0;
     OrtStatus *st = ORT_FN(g_api, KernelContext_GetInputCount, OrtKernelContextGetInputCountFn)(ctx, &count);
     if (st) return st;
-    if (count != n_in) FAIL("expects %zu inputs, got %zu", n_in, count);
-    for (size_t i = 0; i < n_in; i++)
+    if (count != n_req && count != n_all) FAIL("expects %zu inputs (%zu with k_scale and v_scale), got %zu", n_req,
+                                               n_all, count);
+    size_t n_in = n_req;
+    for (size_t i = 0; i < n_req; i++)
         if ((st = read_input(ctx, i, &in[i]))) return st;
-    static const char *plain_names[8] = {"query", "key", "value", "key_cache", "value_cache", "cu_seqlens",
-                                         "past_lens", "block_table"};
-    static const char *rope_names[9] = {"qkv", "positions", "cos_cache", "sin_cache", "key_cache", "value_cache",
-                                        "cu_seqlens", "past_lens", "block_table"};
-    static const size_t plain_ranks[8] = {2, 2, 2, 4, 4, 1, 1, 2};
-    static const size_t rope_ranks[9] = {2, 1, 2, 2, 4, 4, 1, 1, 2};
+    if (count == n_all) { /* the scales, when the node has them (an absent optional input reads as NULL) */
+        const OrtValue *v = NULL;
+        if ((st = ORT_FN(g_api, KernelContext_GetInput, OrtKernelContextGetInputFn)(ctx, n_req, &v))) return st;
+        if (v) {
+            n_in = n_all;
+            for (size_t i = n_req; i < n_all; i++)
+                if ((st = read_input(ctx, i, &in[i]))) return st;
+        }
+    }
+    static const char *plain_names[10] = {"query", "key", "value", "key_cache", "value_cache", "cu_seqlens",
+                                          "past_lens", "block_table", "k_scale", "v_scale"};
+    static const char *rope_names[11] = {"qkv", "positions", "cos_cache", "sin_cache", "key_cache", "value_cache",
+                                         "cu_seqlens", "past_lens", "block_table", "k_scale", "v_scale"};
+    static const size_t plain_ranks[10] = {2, 2, 2, 4, 4, 1, 1, 2, 1, 1};
+    static const size_t rope_ranks[11] = {2, 1, 2, 2, 4, 4, 1, 1, 2, 1, 1};
     const char *const *names = k->rope ? rope_names : plain_names;
     const size_t *ranks = k->rope ? rope_ranks : plain_ranks;
     for (size_t i = 0; i < n_in; i++) {
-        if (in[i].type != type_of(types[i]))
+        if (types[i] == 'U') {
+            if (in[i].type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT && in[i].type != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8)
+                FAIL("%s must be float32 or int8", names[i]);
+        } else if (in[i].type != type_of(types[i])) {
             FAIL("%s must be %s", names[i], types[i] == 'F' ? "float32" : types[i] == 'I' ? "int32" : "int64");
+        }
         if (in[i].rank != ranks[i]) FAIL("%s must have rank %zu, has %zu", names[i], ranks[i], in[i].rank);
     }
     /* the pools and the step description sit at the same places after the first `base` inputs */
@@ -566,6 +619,19 @@ static OrtStatus *compute(void *op_kernel, OrtKernelContext *ctx) {
     const int64_t B = pastt->dims[0], MB = btt->dims[1];
     if (kct->dims[2] != KVH) FAIL("key_cache has %lld KV heads, kv_num_heads is %lld",
                                   (long long)kct->dims[2], (long long)KVH);
+    if (vct->type != kct->type) FAIL("key_cache and value_cache must have one element type");
+    const int pools_i8 = kct->type == ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
+    if (pools_i8 != (n_in == n_all)) FAIL("int8 pools take k_scale and v_scale (one per KV head); float32 pools none");
+    const float *k_scale = NULL, *v_scale = NULL;
+    if (pools_i8) {
+        for (size_t i = n_req; i < n_all; i++)
+            if (in[i].dims[0] != KVH) FAIL("%s must have kv_num_heads = %lld entries", names[i], (long long)KVH);
+        k_scale = (const float *)in[n_req].data;
+        v_scale = (const float *)in[n_req + 1].data;
+        for (int64_t h = 0; h < KVH; h++)
+            if (!(k_scale[h] > 0.0f) || !(v_scale[h] > 0.0f) || isinf(k_scale[h]) || isinf(v_scale[h]))
+                FAIL("the KV scales must be positive and finite");
+    }
     for (int d = 0; d < 4; d++)
         if (vct->dims[d] != kct->dims[d]) FAIL("value_cache's shape differs from key_cache's");
     /* where q, k and v of token t start, and the floats between two tokens' rows */
@@ -635,25 +701,44 @@ static OrtStatus *compute(void *op_kernel, OrtKernelContext *ctx) {
     float *out = NULL;
     if ((st = ORT_FN(g_api, GetTensorMutableData, OrtGetTensorMutableDataFn)(out_value, (void **)&out))) return st;
 
-    /* this step's K/V into the pools, in place (K rotated on the way by RotaryPagedAttention) */
-    float *kc = (float *)kct->data, *vc = (float *)vct->data;
+    /* this step's K/V into the pools, in place (K rotated on the way by RotaryPagedAttention; quantized per
+     * KV head into int8 pools) */
+    float *kc = pools_i8 ? NULL : (float *)kct->data, *vc = pools_i8 ? NULL : (float *)vct->data;
+    int8_t *kc8 = pools_i8 ? (int8_t *)kct->data : NULL, *vc8 = pools_i8 ? (int8_t *)vct->data : NULL;
     const size_t row_bytes = sizeof(float) * (size_t)(KVH * D);
     const float *cos_c = k->rope ? (const float *)in[2].data : NULL, *sin_c = k->rope ? (const float *)in[3].data : NULL;
+    float *rot = NULL; /* one rotated key row before its quantization */
+    if (pools_i8 && pos && !(rot = (float *)malloc(sizeof(float) * (size_t)D))) FAIL("out of memory");
     for (int64_t b = 0; b < B; b++) {
         for (int64_t t = cu[b]; t < cu[b + 1]; t++) {
             const int64_t p = past[b] + (t - cu[b]);
             const int64_t slot = (int64_t)bt[b * MB + p / BS] * BS + p % BS;
+            const float *ks = ksrc + t * kv_stride, *vs = vsrc + t * kv_stride;
+            if (pools_i8) {
+                for (int64_t h = 0; h < KVH; h++) {
+                    const int64_t at = (slot * KVH + h) * D;
+                    if (pos) {
+                        rope_row(rot, ks + h * D, D, rdim, k->interleaved, cos_c + pos[t] * (rdim / 2),
+                                 sin_c + pos[t] * (rdim / 2), 1.0f);
+                        quant_row(kc8 + at, rot, D, k_scale[h]);
+                    } else {
+                        quant_row(kc8 + at, ks + h * D, D, k_scale[h]);
+                    }
+                    quant_row(vc8 + at, vs + h * D, D, v_scale[h]);
+                }
+                continue;
+            }
             if (pos) {
                 const float *c = cos_c + pos[t] * (rdim / 2), *s = sin_c + pos[t] * (rdim / 2);
                 for (int64_t h = 0; h < KVH; h++)
-                    rope_row(kc + (slot * KVH + h) * D, ksrc + t * kv_stride + h * D, D, rdim, k->interleaved, c, s,
-                             1.0f);
+                    rope_row(kc + (slot * KVH + h) * D, ks + h * D, D, rdim, k->interleaved, c, s, 1.0f);
             } else {
-                memcpy(kc + slot * KVH * D, ksrc + t * kv_stride, row_bytes);
+                memcpy(kc + slot * KVH * D, ks, row_bytes);
             }
-            memcpy(vc + slot * KVH * D, vsrc + t * kv_stride, row_bytes);
+            memcpy(vc + slot * KVH * D, vs, row_bytes);
         }
     }
+    free(rot);
 
     const int64_t G = H / KVH;
     /* query tokens per tile: at most ROWS_TARGET rows, a multiple of NR rows where G allows */
@@ -674,7 +759,8 @@ static OrtStatus *compute(void *op_kernel, OrtKernelContext *ctx) {
             for (int64_t g = 0; g < KVH; g++) items[n++] = (Item){(int32_t)b, (int32_t)g, (int32_t)q0, (int32_t)q1};
         }
     }
-    Job job = {qsrc, q_stride, pos, cos_c, sin_c, rdim, k->interleaved, kc, vc, cu, past, bt, out, MB, BS, H, KVH,
+    Job job = {qsrc, q_stride, pos, cos_c, sin_c, rdim, k->interleaved, kc, vc, kc8, vc8, k_scale, v_scale, cu, past,
+               bt, out, MB, BS, H, KVH,
                D, G, k->window, k->scale * 1.4426950408889634f, items, 0};
     OrtKernelContextParallelForFn parallel_for =
         ORT_FN(g_api, KernelContext_ParallelFor, OrtKernelContextParallelForFn);
@@ -1104,6 +1190,11 @@ static OrtCustomOpInputOutputCharacteristic required(const OrtCustomOp *op, size
     (void)op; (void)i;
     return INPUT_OUTPUT_REQUIRED;
 }
+/* the attention ops' k_scale and v_scale (their last two inputs) are optional: int8 pools only */
+static OrtCustomOpInputOutputCharacteristic input_characteristic(const OrtCustomOp *op, size_t i) {
+    const int attention = op == &g_op || op == &g_rope_op;
+    return attention && i + N_SCALES >= input_count(op) ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+}
 static OrtMemType input_mem(const OrtCustomOp *op, size_t i) { (void)op; (void)i; return OrtMemTypeDefault; }
 static int one(const OrtCustomOp *op) { (void)op; return 1; }
 static int start_version(const OrtCustomOp *op) { (void)op; return 1; }
@@ -1114,7 +1205,7 @@ static void release_pairs(int *in, int *out) { (void)in; (void)out; }
 #define CUSTOM_OP                                                                                          \
     {                                                                                                      \
         ORT_API_VERSION_USED, create_kernel_v1, op_name, op_provider, input_type, input_count, output_type,  \
-        output_count, compute_v1, destroy_kernel, required, required, input_mem, one, one, one, one,         \
+        output_count, compute_v1, destroy_kernel, input_characteristic, required, input_mem, one, one, one, one, \
         create_kernel, compute, NULL, start_version, end_version, no_pairs, release_pairs, no_pairs,         \
         release_pairs,                                                                                     \
     }
