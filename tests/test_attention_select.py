@@ -44,7 +44,9 @@ def test_candidates_by_target() -> None:
     quant = {c.variant: c for c in candidates(cfg, "onnxruntime", "cpu", "float32", ["quantize_kv_cache"])}
     assert quant["gqa"].valid and "quantize_kv_cache" in quant["gqa"].reason
     assert not quant["paged_attention"].valid
-    assert not quant["paged_cpu"].valid and "float32 pools" in quant["paged_cpu"].reason
+    assert quant["paged_cpu"].valid and "int8 pools" in quant["paged_cpu"].reason  # int8 unless told otherwise
+    fp8 = {c.variant: c for c in candidates(cfg, "onnxruntime", "cpu", "float32", ["quantize_kv_cache"], "fp8")}
+    assert not fp8["paged_cpu"].valid and "FP8 pools" in fp8["paged_cpu"].reason
     assert not cuda["paged_cpu"].valid and "CPU execution provider only" in cuda["paged_cpu"].reason
     torch_target = {c.variant: c.valid for c in candidates(cfg, "torch", "cpu", "float32")}
     assert torch_target == {"decomposed": True, "gqa": False, "paged_cpu": False, "paged_attention": False,

@@ -62,20 +62,63 @@ def test_fusion_reports_nodes_per_decoder_layer(demo_artifact: Path) -> None:
     assert len(model.graph.node) == fuse["stats"]["nodes_after"]
 
 
-def test_a_quantized_kv_cache_takes_another_variant(tmp_path: Path) -> None:
-    """int8 pools: the kernel reads float32 pools only, so the rule table falls through with the reason."""
-    ckpt = make_random_checkpoint(tmp_path / "ckpt", "LlamaForCausalLM", num_hidden_layers=1)
-    passes = ("  - name: select_attention\n    options: {autotune: false}\n  - name: capture\n"
-              "  - name: quantize_kv_cache\n    options: {dtype: int8}\n  - name: lower_onnx\n"
-              "  - name: lower_quant\n  - name: package\n")
+def _kv_build(tmp_path: Path, ckpt: Path, name: str, kernel: str, dtype: str = "int8") -> Path:
+    passes = (f"  - name: select_attention\n    options: {{autotune: false, kernel: {kernel}}}\n  - name: capture\n"
+              f"  - name: quantize_kv_cache\n    options: {{dtype: {dtype}}}\n  - name: lower_onnx\n"
+              "  - name: lower_quant\n  - name: fuse\n  - name: package\n")
     calib = tmp_path / "calib.txt"
     calib.write_text("def f(x):\n    return x + 1\n" * 200, encoding="utf-8")
     extra = f"calibration:\n  data: {calib}\n  num_samples: 2\n  seq_len: 32\n"
-    artifact = build(write_recipe(tmp_path, ckpt, name="kvq", passes=passes, extra=extra), progress=False)
+    return build(write_recipe(tmp_path, ckpt, name=name, passes=passes, extra=extra), progress=False)
+
+
+def test_an_int8_kv_cache_is_read_and_written_by_the_kernel(tmp_path: Path) -> None:
+    """int8 pools with per-head scales: the rule table keeps paged_cpu, lower_quant hands the kernel the
+    scales, the rotary fusion keeps them, and the runtime's pools are int8. The kernel attends to the past as
+    stored (int8) and to the step's own K/V unquantized, as the decomposed path does, so the two give the
+    same logits, chunked prefill (past read back from the int8 pool) included."""
+    from test_parity import chunked_logits
+
+    ckpt = make_random_checkpoint(tmp_path / "ckpt", "LlamaForCausalLM", num_hidden_layers=1)
+    artifact = _kv_build(tmp_path, ckpt, "kvq", "auto")
     manifest = json.loads((artifact / "manifest.json").read_text())
     sel = next(p for p in manifest["passes"] if p["name"] == "select_attention")["stats"]
     reasons = {c["variant"]: c["reason"] for c in sel["candidates"]}
-    assert sel["choice"] == "decomposed" and "float32 pools" in reasons["paged_cpu"]
+    assert sel["choice"] == "paged_cpu" and "int8 pools" in reasons["paged_cpu"]
+    lq = next(p for p in manifest["passes"] if p["name"] == "lower_quant")["stats"]["kv_cache"]
+    assert lq["layers_read_by_the_kernel"] == 1
+    runtime = json.loads((artifact / "runtime.json").read_text())
+    assert runtime["graph"]["kv_write"] == "graph" and runtime["kv_cache"]["dtype"] == "int8"
+    model = onnx.load(str(artifact / "model.onnx"), load_external_data=False)
+    node = next(n for n in model.graph.node if n.op_type == "RotaryPagedAttention")
+    assert len(node.input) == 11 and {i.name: i.type.tensor_type.elem_type for i in model.graph.input}[
+        "key_cache.0"] == onnx.TensorProto.INT8
+    engine = LLMEngine(artifact, verify=False)
+    assert engine.backend.k_pools[0].dtype == np.int8
+    ids = list(range(5, 60))
+    cuts = [7, 16, 17, 40, len(ids)]
+    chunked = chunked_logits(engine, ids, cuts)
+    whole = chunked_logits(LLMEngine(artifact, verify=False), ids, [len(ids)])
+    decomposed = _kv_build(tmp_path, ckpt, "kvq-dec", "decomposed")
+    ref_chunked = chunked_logits(LLMEngine(decomposed, verify=False), ids, cuts)
+    ref_whole = chunked_logits(LLMEngine(decomposed, verify=False), ids, [len(ids)])
+    assert np.abs(chunked - ref_chunked).max() < 1e-4 and np.abs(whole - ref_whole).max() < 1e-4
+    assert np.abs(chunked - whole).max() > 1e-3  # a chunk reads the earlier ones back from the int8 pool
+    engine.add_request("r", ids, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    tokens: list[int] = []
+    while engine.has_unfinished():
+        tokens += [t for o in engine.step() for t in o.new_token_ids]
+    assert len(tokens) == 16  # decoded through the int8 pools written by the kernel
+
+
+def test_an_fp8_kv_cache_takes_another_variant(tmp_path: Path) -> None:
+    """E4M3 pools: the kernel reads float32 or int8 pools, so the rule table falls through with the reason."""
+    ckpt = make_random_checkpoint(tmp_path / "ckpt", "LlamaForCausalLM", num_hidden_layers=1)
+    artifact = _kv_build(tmp_path, ckpt, "kvq8", "auto", dtype="fp8")
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    sel = next(p for p in manifest["passes"] if p["name"] == "select_attention")["stats"]
+    reasons = {c["variant"]: c["reason"] for c in sel["candidates"]}
+    assert sel["choice"] == "decomposed" and "FP8 pools" in reasons["paged_cpu"]
     assert json.loads((artifact / "runtime.json").read_text())["graph"]["kv_write"] == "runtime"
 
 

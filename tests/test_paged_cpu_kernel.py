@@ -340,9 +340,9 @@ def quantize(x: np.ndarray, scales: np.ndarray, kv_heads: int) -> np.ndarray:
 @given(case=rope_steps(), rope=st.booleans())
 def test_int8_pools_attend_to_the_dequantized_past_and_store_codes(case: dict, rope: bool, threads: int,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """With int8 pools the kernel equals the reference on the dequantized pools (code * head scale), with
-    the step's K/V quantized first as they will be read back; it writes exactly QuantizeLinear's codes at
-    the step's slots (rotated keys for the rotary op) and nothing else."""
+    """With int8 pools the kernel equals the reference on the dequantized past (code * head scale) and the
+    step's own K/V as they are (float32, as the decomposed path attends to them); it writes exactly
+    QuantizeLinear's codes of the step's K/V at its slots (rotated keys for the rotary op) and nothing else."""
     monkeypatch.setenv("OPTIMIZE_PAGED_CPU_INLINE_WORK", "0" if threads > 1 else str(1 << 62))
     rng = np.random.default_rng(case["seed"])
     heads, kvh, d, bs = case["num_heads"], case["kv_heads"], case["head_dim"], case["block_size"]
@@ -361,11 +361,9 @@ def test_int8_pools_attend_to_the_dequantized_past_and_store_codes(case: dict, r
                  "cos": np.cos(angles).astype(np.float32), "sin": np.sin(angles).astype(np.float32)}
         k_new = rotate(feeds["k"], kvh, extra["pos"], extra["cos"], extra["sin"], r, case["interleaved"])
     k_codes, v_codes = quantize(k_new, ks, kvh), quantize(feeds["v"], vs, kvh)
-    deq = lambda c, sc: (c.reshape(*c.shape[:-1], kvh, d).astype(np.float32) * sc[:, None]).reshape(c.shape)  # noqa: E731
     ref_feeds = dict(feeds, q=rotate(feeds["q"], heads, extra["pos"], extra["cos"], extra["sin"], r,
                                      case["interleaved"]) if rope else feeds["q"],
-                     k=deq(k_codes, ks), v=deq(v_codes, vs),
-                     kc=kc.astype(np.float32) * ks[:, None], vc=vc.astype(np.float32) * vs[:, None])
+                     k=k_new, kc=kc.astype(np.float32) * ks[:, None], vc=vc.astype(np.float32) * vs[:, None])
     want = reference(ref_feeds, heads, kvh, case["window"], scale)
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads

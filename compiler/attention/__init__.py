@@ -105,9 +105,10 @@ def attention_kind(cfg: Any) -> dict[str, Any]:
     }
 
 
-def candidates(cfg: Any, backend: str, device: str, dtype: str, pass_names: list[str] | tuple[str, ...] = ()
-               ) -> list[Candidate]:
-    """Each variant, valid or not for this model and target, with the reason."""
+def candidates(cfg: Any, backend: str, device: str, dtype: str, pass_names: list[str] | tuple[str, ...] = (),
+               kv_cache_dtype: str | None = None) -> list[Candidate]:
+    """Each variant, valid or not for this model and target, with the reason (kv_cache_dtype: the
+    quantize_kv_cache pass's dtype, "int8" when only its name is known)."""
     if backend == "onnxruntime":
         out = [Candidate("decomposed", True, "standard ONNX ops")]
     elif backend == "torch":
@@ -117,6 +118,8 @@ def candidates(cfg: Any, backend: str, device: str, dtype: str, pass_names: list
     else:
         out = [Candidate("decomposed", False, f"no lowering of the decomposed path to {backend} yet")]
     quant_kv = "quantize_kv_cache" in pass_names
+    if quant_kv and kv_cache_dtype is None:
+        kv_cache_dtype = "int8"
     if cfg.num_heads % cfg.num_kv_heads:
         why = f"num_heads {cfg.num_heads} is not a multiple of num_kv_heads {cfg.num_kv_heads}"
         return out + [Candidate(v, False, why) for v in ("gqa", "paged_cpu", "paged_attention", "triton", "flashinfer")]
@@ -133,7 +136,7 @@ def candidates(cfg: Any, backend: str, device: str, dtype: str, pass_names: list
     else:
         out.append(Candidate("gqa", True, f"GroupQueryAttention CPU/CUDA kernel, {dtype}, query_seqlens "
                              "(right-padded chunks) over per-sequence past gathered from the pool"))
-    out.append(_paged_cpu(backend, device, dtype, quant_kv))
+    out.append(_paged_cpu(backend, device, dtype, kv_cache_dtype if quant_kv else None))
     if backend == "tensorrt":
         out.append(Candidate("paged_attention", False, _NOT_FOR_TENSORRT.format(op="PagedAttention")))
     elif backend != "onnxruntime" or device != "cuda":
@@ -164,22 +167,23 @@ def candidates(cfg: Any, backend: str, device: str, dtype: str, pass_names: list
     return out
 
 
-def _paged_cpu(backend: str, device: str, dtype: str, quant_kv: bool) -> Candidate:
+def _paged_cpu(backend: str, device: str, dtype: str, kv_cache_dtype: str | None) -> Candidate:
     if backend != "onnxruntime" or device != "cpu":
         return Candidate("paged_cpu", False, "optimize.PagedAttention is a C kernel for ONNX Runtime's CPU execution "
                          "provider only")
     if dtype != "float32":
         return Candidate("paged_cpu", False, f"the kernel takes float32, not {dtype}")
-    if quant_kv:
-        return Candidate("paged_cpu", False, "quantized KV cache: the kernel reads and writes float32 pools (int8/"
-                         "FP8 pools with per-head scales are the decomposed and gqa paths' rewrite)")
+    if kv_cache_dtype not in (None, "int8"):
+        return Candidate("paged_cpu", False, f"KV cache {kv_cache_dtype}: the kernel reads and writes float32 or int8 "
+                         "pools (FP8 pools are the decomposed and gqa paths' rewrite)")
     from runtime.kernels.paged_attention_cpu import KernelLibraryError, library_path
 
     try:
         library_path()
     except KernelLibraryError as e:
         return Candidate("paged_cpu", False, str(e))
-    return Candidate("paged_cpu", True, "C kernel over the pools in place (custom-op library), float32")
+    pools = "int8 pools with per-head scales" if kv_cache_dtype == "int8" else "float32"
+    return Candidate("paged_cpu", True, f"C kernel over the pools in place (custom-op library), {pools}")
 
 
 def _flashinfer(cfg: Any, backend: str, device: str, dtype: str) -> Candidate:

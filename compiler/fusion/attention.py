@@ -133,7 +133,7 @@ def _match(w: _Walk, node: onnx.NodeProto) -> tuple[list[str], dict[str, int]] |
     r = rot["rotary_embedding_dim"] or head_dim
     if 2 * int(cos.dims[1]) != r or r > head_dim:
         return f"cos/sin caches of width {cos.dims[1]} do not fit rotary dimension {r} of head_dim {head_dim}"
-    inputs = [sp.input[0], positions, cos.name, sin.name, *node.input[3:8]]
+    inputs = [sp.input[0], positions, cos.name, sin.name, *node.input[3:]]  # pools .. block_table, k/v scales
     return inputs, {"rotary_embedding_dim": rot["rotary_embedding_dim"], "interleaved": rot["interleaved"]}
 
 

@@ -3,7 +3,8 @@
 Runs after lower_onnx. Every quantized weight initializer becomes DequantizeLinear from its stored
 form (the portable QDQ IR: blocked uint4 with zero points for INT4, float8e4m3fn for FP8); FP8
 activations get QuantizeLinear/DequantizeLinear before their Gemm; a quantized KV cache changes
-the pool inputs and new K/V outputs to int8 / E4M3. For ONNX Runtime, `int4_format: matmulnbits`
+the pool inputs and new K/V outputs to int8 / E4M3 (where the paged_cpu kernel reads the pools, it
+gets the per-head scales as its k_scale / v_scale inputs and reads and writes the int8 pool itself). For ONNX Runtime, `int4_format: matmulnbits`
 (the default) then rewrites each DQ(uint4) + Gemm into com.microsoft.MatMulNBits; each DQ(int8) +
 Gemm of quantize_int8 becomes an integer GEMM (MatMulIntegerToFloat by default) with its input
 quantized at run time. The rewrites and their counts are in compiler/quant/onnx_rules.py; the pass
@@ -45,6 +46,15 @@ class LowerQuantOptions:
 # quantize_int8 activation mode -> the integer GEMM `int8_op: auto` writes (measured on ONNX Runtime CPU,
 # docs/architecture.md "Quantization")
 INT8_AUTO = {"per_token": "MatMulIntegerToFloat", "per_tensor": "MatMulIntegerToFloat"}
+
+
+def _kernel_reading(g: Any, pool: str) -> Any:
+    """The optimize-domain attention node (the paged_cpu kernel) that reads `pool`, if that is its one reader."""
+    users = g.consumers(pool)
+    if len(users) == 1 and users[0].domain == "optimize" and users[0].op_type in ("PagedAttention",
+                                                                                    "RotaryPagedAttention"):
+        return users[0]
+    return None
 
 
 def _initializer_bytes(model: Any, names: set[str]) -> int:
@@ -195,7 +205,21 @@ class LowerQuantPass(Pass):
             in_type, out_type = rule.onnx_dtypes()
             inputs: set[str] = set()
             outputs: set[str] = set()
+            in_kernel = 0
             for i in range(cfg.num_layers):
+                kernel = _kernel_reading(g, f"key_cache.{i}")
+                if kernel is not None:  # paged_cpu: the C kernel reads the int8 pool and quantizes its writes
+                    if kv.dtype != "int8" or _kernel_reading(g, f"value_cache.{i}") is not kernel:
+                        raise BuildError(f"lower_quant: KV cache: layer {i}'s pools are read by "
+                                         f"optimize.{kernel.op_type}, which takes int8 pools only (this is {kv.dtype})")
+                    for kind, scales in (("key", kv.k_scales[i]), ("value", kv.v_scales[i])):
+                        sc = onnx.numpy_helper.from_array(np.asarray(scales, np.float32), g.unique(f"{kind}_cache.{i}_scale"))
+                        kernel.input.append(g.add_init(sc))
+                        rule.rewrite_output(g, f"new_{kind}.{i}", scales)
+                        inputs.add(f"{kind}_cache.{i}")
+                        outputs.add(f"new_{kind}.{i}")
+                    in_kernel += 1
+                    continue
                 for kind, scales in (("key", kv.k_scales[i]), ("value", kv.v_scales[i])):
                     name = f"{kind}_cache.{i}"
                     reason = rule.check_input(g, name, cfg.head_dim)
@@ -208,7 +232,7 @@ class LowerQuantPass(Pass):
             R.set_elem_type(model.graph.input, inputs, in_type)
             R.set_elem_type(model.graph.output, outputs, out_type)
             stats["kv_cache"] = {"dtype": kv.dtype, "pool_storage": "int8" if kv.dtype == "int8" else "uint8 (E4M3 bits)",
-                                 "layers": cfg.num_layers}
+                                 "layers": cfg.num_layers, "layers_read_by_the_kernel": in_kernel}
             ctx.artifacts["kv_cache_dtype"] = kv.dtype
 
         g.commit()

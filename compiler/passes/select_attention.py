@@ -79,7 +79,8 @@ class SelectAttentionPass(Pass):
         cfg = ctx.checkpoint.config
         t = ctx.recipe.target
         names = [p.name for p in ctx.recipe.passes]
-        cands = candidates(cfg, t.backend, t.device, t.dtype, names)
+        kv = next((p.options.get("dtype", "int8") for p in ctx.recipe.passes if p.name == "quantize_kv_cache"), None)
+        cands = candidates(cfg, t.backend, t.device, t.dtype, names, kv_cache_dtype=kv)
         valid = [c.variant for c in cands if c.valid]
         kernel = self.config.kernel
         autotune_on = self.config.autotune and not ctx.artifacts.get("no_autotune")

@@ -108,6 +108,10 @@ typedef struct {
     /* int8 pools (quantize_kv_cache int8): codes and one scale per KV head; kc/vc are NULL then */
     int8_t *kc8, *vc8;
     const float *k_scale, *v_scale;
+    /* with int8 pools, the step's own keys and values are read unquantized from here (as the decomposed
+     * path attends to them): token t's key row of KV head h at kstep + t * kstep_stride + h * D */
+    const float *kstep, *vstep;
+    int64_t kstep_stride, vstep_stride;
     const int32_t *cu, *past, *bt;
     float *out;
     int64_t max_blocks, block_size, num_heads, kv_heads, head_dim, group, window;
@@ -312,13 +316,19 @@ static inline void quant_row(int8_t *dst, const float *src, int64_t D, float sca
 
 /* krow/vrow[jj] = the pool rows of keys j0 + jj (jj < nk; the rest repeat key j0's), walking the block
  * table with one division per chunk */
-static inline void chunk_rows(const Job *job, const int32_t *table, int64_t kv_head, int64_t j0, int64_t nk,
+static inline void chunk_rows(const Job *job, int64_t seq, int64_t kv_head, int64_t j0, int64_t nk,
                               const float **krow, const float **vrow, float *kbuf, float *vbuf) {
     const int64_t BS = job->block_size, KVH = job->kv_heads, D = job->head_dim;
+    const int32_t *table = job->bt + seq * job->max_blocks;
+    const int64_t past = job->past[seq];
     int64_t blk = j0 / BS, off = j0 % BS;
     for (int64_t jj = 0; jj < nk; jj++) {
         const int64_t row = (((int64_t)table[blk] * BS + off) * KVH + kv_head) * D;
-        if (job->kc8) { /* int8 pools: the chunk's rows dequantized into the item's scratch (code * scale) */
+        if (job->kc8 && j0 + jj >= past) { /* int8 pools, a key of this step: its float32 row */
+            const int64_t t = job->cu[seq] + (j0 + jj - past);
+            krow[jj] = job->kstep + t * job->kstep_stride + kv_head * D;
+            vrow[jj] = job->vstep + t * job->vstep_stride + kv_head * D;
+        } else if (job->kc8) { /* int8 pools, a past key: dequantized into the item's scratch (code * scale) */
             float *kd = kbuf + jj * D, *vd = vbuf + jj * D;
             dequant_row(kd, job->kc8 + row, D, job->k_scale[kv_head]);
             dequant_row(vd, job->vc8 + row, D, job->v_scale[kv_head]);
@@ -348,7 +358,6 @@ static inline __attribute__((always_inline)) void attend_lanes(const Job *job, c
                                                                int64_t Dp, int64_t R, float *scratch) {
     const int64_t D = job->head_dim, G = job->group;
     const int64_t H = job->num_heads, past = job->past[it.seq], row0 = job->cu[it.seq];
-    const int32_t *table = job->bt + (int64_t)it.seq * job->max_blocks;
     const int64_t window = job->window;
     float *Qt = scratch, *Ot = Qt + D * VL, *kbuf = Ot + D * VL, *vbuf = kbuf + D * VL;
     const float *krow[VL], *vrow[VL];
@@ -369,7 +378,7 @@ static inline __attribute__((always_inline)) void attend_lanes(const Job *job, c
         v16f m = vsplat(-INFINITY), l = {0};
         for (int64_t j0 = k_begin; j0 <= p_max; j0 += VL) {
             const int64_t nk = (p_max - j0 + 1) < VL ? (p_max - j0 + 1) : VL;
-            chunk_rows(job, table, it.kv_head, j0, nk, krow, vrow, kbuf, vbuf);
+            chunk_rows(job, it.seq, it.kv_head, j0, nk, krow, vrow, kbuf, vbuf);
             v16f sc[VL];
             for (int64_t jj = 0; jj < VL; jj++) sc[jj] = (v16f){0};
             for (int64_t d = 0; d < D; d++) {
@@ -429,7 +438,6 @@ static void run_item(Job *job, size_t index) {
     const int64_t H = job->num_heads, Dp = (D + VL - 1) / VL * VL;
     const int64_t nq = it.q1 - it.q0, R = nq * G, Rp = (R + NR - 1) / NR * NR;
     const int64_t past = job->past[it.seq], row0 = job->cu[it.seq];
-    const int32_t *table = job->bt + (int64_t)it.seq * job->max_blocks;
     const int64_t window = job->window;
     const int lanes = R >= LANES_MIN; /* many rows: attend_lanes */
 
@@ -477,7 +485,7 @@ static void run_item(Job *job, size_t index) {
 
     for (int64_t j0 = k_begin; j0 <= p_last; j0 += VL) {
         const int64_t nk = (p_last - j0 + 1) < VL ? (p_last - j0 + 1) : VL;
-        chunk_rows(job, table, it.kv_head, j0, nk, krow, vrow, kbuf, vbuf);
+        chunk_rows(job, it.seq, it.kv_head, j0, nk, krow, vrow, kbuf, vbuf);
         for (int64_t r0 = 0; r0 < R; r0 += NR) {
             const int64_t nr = R - r0 < NR ? R - r0 : NR;
             /* rows r0..r0+nr: skip when no key of this chunk is visible to any of them */
@@ -707,8 +715,10 @@ static OrtStatus *compute(void *op_kernel, OrtKernelContext *ctx) {
     int8_t *kc8 = pools_i8 ? (int8_t *)kct->data : NULL, *vc8 = pools_i8 ? (int8_t *)vct->data : NULL;
     const size_t row_bytes = sizeof(float) * (size_t)(KVH * D);
     const float *cos_c = k->rope ? (const float *)in[2].data : NULL, *sin_c = k->rope ? (const float *)in[3].data : NULL;
-    float *rot = NULL; /* one rotated key row before its quantization */
-    if (pools_i8 && pos && !(rot = (float *)malloc(sizeof(float) * (size_t)D))) FAIL("out of memory");
+    /* int8 pools and rotary: the step's rotated keys [T][KVH * D], quantized into the pool and read unquantized
+     * by the step itself */
+    float *rot = NULL;
+    if (pools_i8 && pos && !(rot = (float *)malloc(sizeof(float) * (size_t)(T * KVH * D + 1)))) FAIL("out of memory");
     for (int64_t b = 0; b < B; b++) {
         for (int64_t t = cu[b]; t < cu[b + 1]; t++) {
             const int64_t p = past[b] + (t - cu[b]);
@@ -718,9 +728,10 @@ static OrtStatus *compute(void *op_kernel, OrtKernelContext *ctx) {
                 for (int64_t h = 0; h < KVH; h++) {
                     const int64_t at = (slot * KVH + h) * D;
                     if (pos) {
-                        rope_row(rot, ks + h * D, D, rdim, k->interleaved, cos_c + pos[t] * (rdim / 2),
+                        float *r = rot + (t * KVH + h) * D;
+                        rope_row(r, ks + h * D, D, rdim, k->interleaved, cos_c + pos[t] * (rdim / 2),
                                  sin_c + pos[t] * (rdim / 2), 1.0f);
-                        quant_row(kc8 + at, rot, D, k_scale[h]);
+                        quant_row(kc8 + at, r, D, k_scale[h]);
                     } else {
                         quant_row(kc8 + at, ks + h * D, D, k_scale[h]);
                     }
@@ -738,7 +749,6 @@ static OrtStatus *compute(void *op_kernel, OrtKernelContext *ctx) {
             memcpy(vc + slot * KVH * D, vs, row_bytes);
         }
     }
-    free(rot);
 
     const int64_t G = H / KVH;
     /* query tokens per tile: at most ROWS_TARGET rows, a multiple of NR rows where G allows */
@@ -750,7 +760,10 @@ static OrtStatus *compute(void *op_kernel, OrtKernelContext *ctx) {
     int64_t n_items = 0;
     for (int64_t b = 0; b < B; b++) n_items += KVH * ((cu[b + 1] - cu[b] + qt - 1) / qt);
     Item *items = (Item *)malloc(sizeof(Item) * (size_t)(n_items > 0 ? n_items : 1));
-    if (!items) FAIL("out of memory");
+    if (!items) {
+        free(rot);
+        FAIL("out of memory");
+    }
     int64_t n = 0;
     for (int64_t b = 0; b < B; b++) {
         const int64_t len = cu[b + 1] - cu[b];
@@ -759,8 +772,8 @@ static OrtStatus *compute(void *op_kernel, OrtKernelContext *ctx) {
             for (int64_t g = 0; g < KVH; g++) items[n++] = (Item){(int32_t)b, (int32_t)g, (int32_t)q0, (int32_t)q1};
         }
     }
-    Job job = {qsrc, q_stride, pos, cos_c, sin_c, rdim, k->interleaved, kc, vc, kc8, vc8, k_scale, v_scale, cu, past,
-               bt, out, MB, BS, H, KVH,
+    Job job = {qsrc, q_stride, pos, cos_c, sin_c, rdim, k->interleaved, kc, vc, kc8, vc8, k_scale, v_scale,
+               rot ? rot : ksrc, vsrc, rot ? KVH * D : kv_stride, kv_stride, cu, past, bt, out, MB, BS, H, KVH,
                D, G, k->window, k->scale * 1.4426950408889634f, items, 0};
     OrtKernelContextParallelForFn parallel_for =
         ORT_FN(g_api, KernelContext_ParallelFor, OrtKernelContextParallelForFn);
@@ -770,6 +783,7 @@ static OrtStatus *compute(void *op_kernel, OrtKernelContext *ctx) {
         for (int64_t i = 0; i < n_items; i++) run_item(&job, (size_t)i);
     }
     free(items);
+    free(rot);
     if (st) return st;
     if (job.failed) {
         snprintf(msg, sizeof msg, "optimize.%s: out of memory for a work item's scratch", opname);
