@@ -3,10 +3,16 @@
  * One node per layer over the ForwardBatch's packed tokens (compiler/attention/lowering.py emits it):
  *
  *   inputs   query [T, H*D], key [T, KVH*D], value [T, KVH*D]       this step's tokens (after RoPE)
- *            key_cache, value_cache [num_blocks, block_size, KVH, D] the layer's pools (float32)
+ *            key_cache, value_cache [num_blocks, block_size, KVH, D] the layer's pools (float32 or int8)
  *            cu_seqlens int32 [B+1], past_lens int32 [B], block_table int32 [B, max_blocks]
+ *            k_scale, v_scale [KVH] (optional; int8 pools only)      one scale per KV head
  *   attrs    num_heads, kv_num_heads, scale, local_window_size (-1: none)
  *   output   [T, H*D]
+ *
+ * int8 pools (quantize_kv_cache int8): the step's K/V are stored as QuantizeLinear writes them
+ * (round_half_even(x / scale), saturated, zero point 0); a past key chunk is dequantized (code * scale)
+ * into the work item's scratch before use, while the step's own keys and values are read unquantized,
+ * as the decomposed path attends to them, so both paths give the same numbers.
  *
  * Token i of sequence b (packed row cu_seqlens[b] + i) sits at position p = past_lens[b] + i. The op
  * first writes the step's K/V into the pools in place at block_table[b][p / block_size], offset
