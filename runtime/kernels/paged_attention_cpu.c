@@ -982,6 +982,21 @@ BF16_GENERIC(4)
 BF16_GENERIC(2)
 BF16_GENERIC(1)
 
+/* nr rows of a block: register tiles of 8 rows, then one of 4, 2 and 1 as the rest needs */
+#define BF16_ROWS(PATH)                                                                                     \
+    do {                                                                                                   \
+        int64_t r = 0;                                                                                     \
+        for (; r + 8 <= nr; r += 8)                                                                        \
+            bf16_tile_##PATH##_8(a2 + r * lda, lda, w0, w1, KP, y + r * ldy, ldy, c0, c1);                 \
+        for (int64_t mr = 4; mr >= 1; mr /= 2) {                                                           \
+            if (nr - r < mr) continue;                                                                     \
+            if (mr == 4) bf16_tile_##PATH##_4(a2 + r * lda, lda, w0, w1, KP, y + r * ldy, ldy, c0, c1);    \
+            if (mr == 2) bf16_tile_##PATH##_2(a2 + r * lda, lda, w0, w1, KP, y + r * ldy, ldy, c0, c1);    \
+            if (mr == 1) bf16_tile_##PATH##_1(a2 + r * lda, lda, w0, w1, KP, y + r * ldy, ldy, c0, c1);    \
+            r += mr;                                                                                       \
+        }                                                                                                  \
+    } while (0)
+
 #if defined(__GNUC__) && defined(__x86_64__)
 #include <immintrin.h>
 #define BF16_DP_TARGET __attribute__((target("avx512f,avx512bf16")))
@@ -1017,11 +1032,7 @@ BF16_DP(1)
 BF16_DP_TARGET
 static void bf16_rows_dp(const uint32_t *a2, int64_t lda, int64_t nr, const uint32_t *w0, const uint32_t *w1,
                          int64_t KP, float *y, int64_t ldy, int64_t c0, int64_t c1) {
-    int64_t r = 0;
-    for (; r + 8 <= nr; r += 8) bf16_tile_dp_8(a2 + r * lda, lda, w0, w1, KP, y + r * ldy, ldy, c0, c1);
-    if (nr - r >= 4) { bf16_tile_dp_4(a2 + r * lda, lda, w0, w1, KP, y + r * ldy, ldy, c0, c1); r += 4; }
-    if (nr - r >= 2) { bf16_tile_dp_2(a2 + r * lda, lda, w0, w1, KP, y + r * ldy, ldy, c0, c1); r += 2; }
-    if (nr - r >= 1) bf16_tile_dp_1(a2 + r * lda, lda, w0, w1, KP, y + r * ldy, ldy, c0, c1);
+    BF16_ROWS(dp);
 }
 
 static int bf16_cpu_has_dp(void) {
@@ -1039,11 +1050,7 @@ static int bf16_cpu_has_dp(void) { return 0; }
 HOT_CLONES
 static void bf16_rows_fma(const uint32_t *a2, int64_t lda, int64_t nr, const uint32_t *w0, const uint32_t *w1,
                           int64_t KP, float *y, int64_t ldy, int64_t c0, int64_t c1) {
-    int64_t r = 0;
-    for (; r + 8 <= nr; r += 8) bf16_tile_fma_8(a2 + r * lda, lda, w0, w1, KP, y + r * ldy, ldy, c0, c1);
-    if (nr - r >= 4) { bf16_tile_fma_4(a2 + r * lda, lda, w0, w1, KP, y + r * ldy, ldy, c0, c1); r += 4; }
-    if (nr - r >= 2) { bf16_tile_fma_2(a2 + r * lda, lda, w0, w1, KP, y + r * ldy, ldy, c0, c1); r += 2; }
-    if (nr - r >= 1) bf16_tile_fma_1(a2 + r * lda, lda, w0, w1, KP, y + r * ldy, ldy, c0, c1);
+    BF16_ROWS(fma);
 }
 
 /* item = (row block, panel pair), row block major: a thread's consecutive items share their rows */
