@@ -1156,34 +1156,7 @@ class Server:
         jobs = self._jobs(request, codec, parsed, rid, salt, arrival, chat)
         if parsed.stream:
             return await self._stream(request, engine, jobs, parsed, rid)
-        if len(jobs) > 1:
-            return await self._generate_many(request, engine, jobs, parsed, rid, chat)
-        req, fmt = jobs[0]
-        deadline = self.config.request_timeout
-        try:
-            async with engine.generate(req) as stream:
-                lps: list[TokenLogprob] = []
-                final: RequestOutput | None = None
-                try:
-                    async with asyncio.timeout(deadline):
-                        async for out in stream:
-                            if out.new_logprobs:
-                                lps.extend(out.new_logprobs)
-                            if out.stop_logprob is not None and not chat:  # the EOS / stop token, as OpenAI lists it
-                                lps.append(out.stop_logprob)
-                            final = out
-                except TimeoutError:
-                    stream.abort_reason = "timeout"
-                    raise APIError(ErrorKind.TIMEOUT, f"the request took longer than {deadline:g} s",
-                                   code="request_timeout") from None
-                if final is None or not final.finished:
-                    raise APIError(ErrorKind.INTERNAL, "the engine ended the request without a final output",
-                                   code="internal_error")
-                resp = web.json_response(fmt.response(final, lps if parsed.logprobs is not None else None),
-                                         dumps=_dumps)
-        except (QueueFull, EngineDeadError, ServerShuttingDown, ValueError) as exc:
-            raise self._engine_error(engine, exc) from None
-        return await self._write(request, resp, rid)
+        return await self._respond(request, engine, jobs, parsed, rid, chat)
 
     def _jobs(self, request: web.Request, codec: TextCodec, parsed: _Parsed, rid: str, salt: str | None,
               arrival: float, chat: bool) -> _Jobs:
@@ -1232,9 +1205,10 @@ class Server:
             self._cut(request, rid)
         return resp
 
-    async def _generate_many(self, request: web.Request, engine: AsyncEngine, jobs: _Jobs, parsed: _Parsed, rid: str,
-                             chat: bool) -> web.StreamResponse:
-        """Several prompts, n > 1 or best_of > n (not streamed): the jobs (`_jobs`) run together. Choice
+    async def _respond(self, request: web.Request, engine: AsyncEngine, jobs: _Jobs, parsed: _Parsed, rid: str,
+                       chat: bool) -> web.StreamResponse:
+        """A whole (not streamed) response: the jobs (`_jobs`; several for several prompts, n > 1 or
+        best_of > n) run together. Choice
         k = prompt index * n + rank: without best_of the ranks are the samples in order; with best_of > n
         they are the n samples of highest cumulative logprob (the sum of the logprobs of the tokens each
         sampled, EOS or the stop token included), the most likely first (vLLM's best_of). Usage counts each

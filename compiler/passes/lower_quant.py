@@ -50,9 +50,10 @@ INT8_AUTO = {"per_token": "MatMulIntegerToFloat", "per_tensor": "MatMulIntegerTo
 
 def _kernel_reading(g: Any, pool: str) -> Any:
     """The optimize-domain attention node (the paged_cpu kernel) that reads `pool`, if that is its one reader."""
+    from runtime.kernels.paged_attention_cpu import DOMAIN, OP_TYPE, ROPE_OP_TYPE
+
     users = g.consumers(pool)
-    if len(users) == 1 and users[0].domain == "optimize" and users[0].op_type in ("PagedAttention",
-                                                                                    "RotaryPagedAttention"):
+    if len(users) == 1 and users[0].domain == DOMAIN and users[0].op_type in (OP_TYPE, ROPE_OP_TYPE):
         return users[0]
     return None
 

@@ -79,7 +79,9 @@ class SelectAttentionPass(Pass):
         cfg = ctx.checkpoint.config
         t = ctx.recipe.target
         names = [p.name for p in ctx.recipe.passes]
-        kv = next((p.options.get("dtype", "int8") for p in ctx.recipe.passes if p.name == "quantize_kv_cache"), None)
+        from compiler.passes.quantize_kv_cache import KvCacheOptions
+
+        kv = next((KvCacheOptions(**p.options).dtype for p in ctx.recipe.passes if p.name == "quantize_kv_cache"), None)
         cands = candidates(cfg, t.backend, t.device, t.dtype, names, kv_cache_dtype=kv)
         valid = [c.variant for c in cands if c.valid]
         kernel = self.config.kernel
