@@ -108,8 +108,8 @@ def fuse_model(model: onnx.ModelProto, rules: Sequence[str], rope_cache_rows: in
             (io_before[0], [o for o in io_before[1] if o not in dropped]):
         raise AssertionError("fusion changed the graph inputs or outputs")  # pragma: no cover
     ops = Counter((f"{n.domain}." if n.domain not in ("", "ai.onnx") else "") + n.op_type for n in model.graph.node)
-    names = [*RULES, "matmul_bf16"] if matmul_bf16 else list(RULES)
-    ran = enabled + (["matmul_bf16"] if matmul_bf16 else [])
+    opt_in = ["matmul_bf16"] if matmul_bf16 else []
+    names, ran = [*RULES, *opt_in], enabled + opt_in
     stats: dict[str, Any] = {
         "rules": ran,
         "disabled": [r for r in RULES if r not in enabled],
