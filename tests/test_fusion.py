@@ -136,7 +136,8 @@ def test_random_model_fusion_counts(random_pair: tuple[str, Path, Path, Path, di
     norms = 2 * layers + 1 + (2 * layers if variant == "qwen3-qknorm" else 0)  # + q_norm/k_norm per layer
     assert stats["fusions"] == {"rms_norm": norms, "skip_rms_norm": 2 * layers - 1, "qkv": layers,
                                 "gate_up": layers, "rotary": 2 * layers, "rotary_attention": 0,
-                                "quick_gelu": layers, "quantize_rows": 0}  # rotary_attention: paged_cpu graphs only (test_paged_cpu_build)
+                                "quick_gelu": layers, "swiglu": 0, "quantize_rows": 0}
+    # rotary_attention and swiglu: graphs that use the C library (paged_cpu) only (test_paged_cpu_build)
     assert "not_fused" not in stats
     ops = stats["op_types"]
     assert ops["com.microsoft.RotaryEmbedding"] == 2 * layers
@@ -258,7 +259,7 @@ def test_demo_fusion_stats_in_manifest(demo_pair: tuple[Path, Path]) -> None:
     # 6 layers: 13 RMSNorms (2 per layer + final), 11 of them after a residual Add (all but layer 0's
     # input norm and the final norm, which reads the logits rows), q and k rotated in each layer.
     assert stats["fusions"] == {"rms_norm": 13, "skip_rms_norm": 11, "qkv": 6, "gate_up": 6, "rotary": 12,
-                                "rotary_attention": 0, "quick_gelu": 6, "quantize_rows": 0}
+                                "rotary_attention": 0, "quick_gelu": 6, "swiglu": 0, "quantize_rows": 0}
     assert stats["rules"] == list(RULES) and stats["disabled"] == []
     assert stats["nodes_before"] > stats["nodes_after"]
     assert stats["op_types"]["SimplifiedLayerNormalization"] == 2
@@ -315,16 +316,16 @@ def test_fuse_options_in_recipe(tmp_path: Path) -> None:
     from compiler.recipe import RecipeError
 
     assert FuseOptions(disable=["rotary"]).enabled() == ["rms_norm", "skip_rms_norm", "qkv", "gate_up", "rotary_attention",
-                                                      "quick_gelu", "quantize_rows"]
+                                                      "quick_gelu", "swiglu", "quantize_rows"]
     assert FuseOptions(rules=["qkv", "rotary"]).enabled() == ["qkv", "rotary"]
     ok = write_recipe(tmp_path, DEMO_MODEL, name="ok", passes=(
         "  - name: capture\n  - name: lower_onnx\n  - name: fuse\n    options: {disable: [rotary]}\n"
         "  - name: package\n"))
     assert plan(ok).passes[2].config.enabled()[-1] == "quantize_rows"
     bad = write_recipe(tmp_path, DEMO_MODEL, name="bad", passes=(
-        "  - name: capture\n  - name: lower_onnx\n  - name: fuse\n    options: {rules: [qkv, swiglu]}\n"
+        "  - name: capture\n  - name: lower_onnx\n  - name: fuse\n    options: {rules: [qkv, geglu]}\n"
         "  - name: package\n"))
-    with pytest.raises(RecipeError, match="swiglu"):
+    with pytest.raises(RecipeError, match="geglu"):
         plan(bad)
     early = write_recipe(tmp_path, DEMO_MODEL, name="early", passes="  - name: capture\n  - name: fuse\n  - name: package\n")
     with pytest.raises(RecipeError, match="lower_onnx"):

@@ -53,9 +53,11 @@ def test_fusion_reports_nodes_per_decoder_layer(demo_artifact: Path) -> None:
     manifest = json.loads((demo_artifact / "manifest.json").read_text())
     fuse = next(p for p in manifest["passes"] if p["name"] == "fuse")
     per_layer = fuse["stats"]["nodes_per_layer"]
-    # a layer: QKV, attention (split and rotations inside), o_proj, skip-norm, gate/up, split, activation,
-    # mul, down, skip-norm (no gather of the past, no masks, no reshapes)
-    assert per_layer["before"] > per_layer["after"] and per_layer["after"] <= 10
+    # a layer: QKV, attention (split and rotations inside), o_proj, skip-norm, gate/up, SiLU(gate) * up,
+    # down, skip-norm (no gather of the past, no masks, no reshapes, no split of the MLP)
+    assert per_layer["before"] > per_layer["after"] and per_layer["after"] == 8
+    assert fuse["stats"]["fusions"]["swiglu"] == 6
+    assert not {"Split", "QuickGelu", "com.microsoft.QuickGelu"} & set(fuse["stats"]["op_types"])
     assert f"(per decoder layer {per_layer['before']} -> {per_layer['after']})" in pass_changes(fuse)
     model = onnx.load(str(demo_artifact / "model.onnx"), load_external_data=False)
     assert nodes_per_layer(model) == per_layer["after"]

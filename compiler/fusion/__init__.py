@@ -14,6 +14,8 @@ Rules, in the order they run (each can be turned off):
 |                 |   -> optimize.RotaryPagedAttention on the packed QKV (paged_cpu graphs; drops the graph's |  |
 |                 |   new_key/new_value outputs, which the kernel writes into the pools itself) |                |
 | `quick_gelu`    | x * Sigmoid(x) -> com.microsoft.QuickGelu(alpha=1)          | fusion/activation.py           |
+| `swiglu`        | Split + QuickGelu(alpha 1) + Mul of the MLP                 | fusion/swiglu.py               |
+|                 |   -> optimize.SiluMul (graphs that use the C library)       |                                |
 | `quantize_rows` | per-token INT8 activation quantization (6 nodes)            | fusion/quantize_rows.py        |
 |                 |   -> optimize.QuantizeRows (graphs that use the C library)  |                                |
 | `matmul_bf16`   | float MatMul / Gemm with a constant weight                  | fusion/matmul_bf16.py          |
@@ -32,7 +34,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import onnx
 
 RULES: tuple[str, ...] = ("rms_norm", "skip_rms_norm", "qkv", "gate_up", "rotary", "rotary_attention", "quick_gelu",
-                          "quantize_rows")
+                          "swiglu", "quantize_rows")
 
 
 def fuse_model(model: onnx.ModelProto, rules: Any, rope_cache_rows: int, matmul_bf16: bool = False

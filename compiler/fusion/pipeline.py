@@ -24,6 +24,7 @@ IMPLEMENTATION = {
     "rotary": "compiler/fusion/rotary.py",
     "rotary_attention": "compiler/fusion/attention.py (optimize.RotaryPagedAttention, runtime/kernels/paged_attention_cpu.c)",
     "quick_gelu": "compiler/fusion/activation.py",
+    "swiglu": "compiler/fusion/swiglu.py (optimize.SiluMul, runtime/kernels/paged_attention_cpu.c)",
     "quantize_rows": "compiler/fusion/quantize_rows.py (optimize.QuantizeRows, runtime/kernels/paged_attention_cpu.c)",
     "matmul_bf16": "compiler/fusion/matmul_bf16.py (optimize.MatMulBf16, runtime/kernels/paged_attention_cpu.c)",
 }
@@ -80,6 +81,7 @@ def fuse_model(model: onnx.ModelProto, rules: Sequence[str], rope_cache_rows: in
     from compiler.fusion.projections import fuse_projections
     from compiler.fusion.quantize_rows import fuse_quantize_rows
     from compiler.fusion.rotary import fuse_rotary
+    from compiler.fusion.swiglu import fuse_swiglu
 
     for rule in ("qkv", "gate_up"):
         if rule in enabled:
@@ -91,6 +93,8 @@ def fuse_model(model: onnx.ModelProto, rules: Sequence[str], rope_cache_rows: in
         reports["rotary_attention"], dropped = fuse_rotary_attention(g)
     if "quick_gelu" in enabled:
         reports["quick_gelu"] = fuse_quick_gelu(g)
+    if "swiglu" in enabled:
+        reports["swiglu"] = fuse_swiglu(g)
     if "quantize_rows" in enabled:
         reports["quantize_rows"] = fuse_quantize_rows(g)
     bf16_bytes: dict[str, int] = {}

@@ -71,8 +71,8 @@ STATIC_OPS = {
     "MatMulNBits", "SkipSimplifiedLayerNormalization", "QuickGelu", "FusedMatMul", "GroupQueryAttention",
     "PagedAttention", "MatMulIntegerToFloat",
     # optimize (runtime/kernels/paged_attention_cpu.c): output [T, H*D] from the packed input's T; codes and
-    # scales shaped as the input; products [.., N] from the input's leading dims
-    "RotaryPagedAttention", "QuantizeRows", "MatMulBf16",
+    # scales shaped as the input; products [.., N] from the input's leading dims; SiluMul [.., I] from [.., 2I]
+    "RotaryPagedAttention", "QuantizeRows", "MatMulBf16", "SiluMul",
 }
 
 

@@ -52,6 +52,9 @@
  * codes uint8 [.., K] = saturate(round_half_even(x / s) + 128), scale [.., 1] = max(amax(|x|) * (1/127), 1e-12),
  * the same float operations in the same order, so the codes are the ones the six nodes give.
  *
+ * optimize.MatMulBf16 (below) multiplies by bfloat16 weights (target.matmul: bfloat16); optimize.SiluMul
+ * (below) is a SwiGLU MLP's Split + SiLU + Mul as one node: x [.., 2I] -> silu(x[.., :I]) * x[.., I:].
+ *
  * Every index is validated before anything is written: a block table entry outside the pool, a
  * sequence longer than its table, or shapes that disagree return an error status (ONNX Runtime raises
  * it as an exception in the caller) and leave the pools untouched.
@@ -95,6 +98,7 @@ typedef struct {
     int qrows;           /* QuantizeRows (no attributes; none of the fields above) */
     int bf16;            /* MatMulBf16 (attribute n: n_out) */
     int bf16_dp;         /* MatMulBf16 multiplies with AVX-512 BF16's vdpbf16ps */
+    int silu_mul;        /* SiluMul (no attributes) */
     int64_t n_out;
     int64_t rotary_dim;  /* 0: head_dim */
     int64_t interleaved;
@@ -581,11 +585,13 @@ static ONNXTensorElementDataType type_of(char c) {
 
 static OrtStatus *quantize_rows_compute(OrtKernelContext *ctx);
 static OrtStatus *matmul_bf16_compute(const Kernel *kern, OrtKernelContext *ctx);
+static OrtStatus *silu_mul_compute(OrtKernelContext *ctx);
 
 static OrtStatus *compute(void *op_kernel, OrtKernelContext *ctx) {
     const Kernel *k = (const Kernel *)op_kernel;
     if (k->qrows) return quantize_rows_compute(ctx);
     if (k->bf16) return matmul_bf16_compute(k, ctx);
+    if (k->silu_mul) return silu_mul_compute(ctx);
     const char *opname = k->rope ? ROPE_OP_NAME : OP_NAME;
     const char *types = k->rope ? ROPE_TYPES : PLAIN_TYPES;
     const size_t n_all = strlen(types), n_req = n_all - N_SCALES;
@@ -1122,9 +1128,82 @@ static OrtStatus *matmul_bf16_compute(const Kernel *kern, OrtKernelContext *ctx)
     return st;
 }
 
+/* ---- optimize.SiluMul ----------------------------------------------------------------------------- */
+
+/* y [.., I] = silu(x[.., :I]) * x[.., I:] for x [.., 2I]: a SwiGLU MLP's Split + QuickGelu(alpha 1) + Mul in
+ * one pass over the fused gate/up projection's output (compiler/fusion/swiglu.py). silu(g) = g * sigmoid(g)
+ * with sigmoid(g) = 1 / (1 + e) for g >= 0 and e / (1 + e) below, e = exp(-|g|) (vexp2_neg, ~2 ulp), so
+ * neither branch overflows. Rows of a decode step run inline; long prefills split into items of 64K
+ * elements on ONNX Runtime's pool. */
+#define SM_OP_NAME "SiluMul"
+
+typedef struct {
+    const float *x;
+    float *y;
+    int64_t I, rows_per_item, rows;
+} SmJob;
+
+static inline v16f vsilu_mul(v16f g, v16f u) {
+    const v16f a = vselect(g < 0, -g, g);
+    const v16f e = vexp2_neg(a * -1.4426950408889634f);
+    const v16f sig = vselect(g < 0, e, vsplat(1.0f)) / (e + 1.0f);
+    return g * sig * u;
+}
+
+HOT_CLONES
+static void silu_mul_item(void *arg, size_t index) {
+    const SmJob *job = (const SmJob *)arg;
+    const int64_t I = job->I, r0 = (int64_t)index * job->rows_per_item;
+    const int64_t r1 = r0 + job->rows_per_item < job->rows ? r0 + job->rows_per_item : job->rows;
+    for (int64_t r = r0; r < r1; r++) {
+        const float *g = job->x + r * 2 * I, *u = g + I;
+        float *y = job->y + r * I;
+        int64_t k = 0;
+        for (; k + VL <= I; k += VL) vstore(y + k, vsilu_mul(vload(g + k), vload(u + k)));
+        if (k < I) { /* the last partial vector, through zero-padded lanes: the same arithmetic */
+            float tg[VL] = {0}, tu[VL] = {0}, ty[VL];
+            memcpy(tg, g + k, sizeof(float) * (size_t)(I - k));
+            memcpy(tu, u + k, sizeof(float) * (size_t)(I - k));
+            vstore(ty, vsilu_mul(vload(tg), vload(tu)));
+            memcpy(y + k, ty, sizeof(float) * (size_t)(I - k));
+        }
+    }
+}
+
+static OrtStatus *silu_mul_compute(OrtKernelContext *ctx) {
+    const char *opname = SM_OP_NAME;
+    char msg[256];
+    Tensor x;
+    OrtStatus *st = read_input(ctx, 0, &x);
+    if (st) return st;
+    if (x.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) FAIL("x must be float32");
+    if (x.rank < 1) FAIL("x must have rank 1 or more");
+    const int64_t last = x.dims[x.rank - 1];
+    if (last % 2) FAIL("x's last dimension (%lld) must be even: gate and up halves", (long long)last);
+    int64_t rows = 1, out_dims[4];
+    for (size_t i = 0; i + 1 < x.rank; i++) {
+        rows *= x.dims[i];
+        out_dims[i] = x.dims[i];
+    }
+    out_dims[x.rank - 1] = last / 2;
+    OrtValue *y_v = NULL;
+    if ((st = ORT_FN(g_api, KernelContext_GetOutput, OrtKernelContextGetOutputFn)(ctx, 0, out_dims, x.rank, &y_v)))
+        return st;
+    if (rows == 0 || last == 0) return NULL;
+    SmJob job = {(const float *)x.data, NULL, last / 2, 0, rows};
+    if ((st = ORT_FN(g_api, GetTensorMutableData, OrtGetTensorMutableDataFn)(y_v, (void **)&job.y))) return st;
+    job.rows_per_item = ((1 << 16) + last - 1) / last;
+    const size_t items = (size_t)((rows + job.rows_per_item - 1) / job.rows_per_item);
+    if (items > 1)
+        return ORT_FN(g_api, KernelContext_ParallelFor, OrtKernelContextParallelForFn)(ctx, silu_mul_item, items, 0,
+                                                                                      &job);
+    silu_mul_item(&job, 0);
+    return NULL;
+}
+
 /* ---- the OrtCustomOp callbacks ----------------------------------------------------------------------- */
 
-static OrtCustomOp g_op, g_rope_op, g_qrows_op, g_bf16_op; /* defined below */
+static OrtCustomOp g_op, g_rope_op, g_qrows_op, g_bf16_op, g_sm_op; /* defined below */
 
 static OrtStatus *create_kernel(const OrtCustomOp *op, const OrtApi *api, const OrtKernelInfo *info, void **out) {
     (void)api;
@@ -1134,7 +1213,8 @@ static OrtStatus *create_kernel(const OrtCustomOp *op, const OrtApi *api, const 
     k->rope = op == &g_rope_op;
     k->qrows = op == &g_qrows_op;
     k->bf16 = op == &g_bf16_op;
-    if (k->qrows) {
+    k->silu_mul = op == &g_sm_op;
+    if (k->qrows || k->silu_mul) {
         *out = k;
         return NULL;
     }
@@ -1200,11 +1280,15 @@ static void compute_v1(void *op_kernel, OrtKernelContext *ctx) {
 
 static void destroy_kernel(void *op_kernel) { free(op_kernel); }
 static const char *op_name(const OrtCustomOp *op) {
-    return op == &g_rope_op ? ROPE_OP_NAME : op == &g_qrows_op ? QROWS_OP_NAME : op == &g_bf16_op ? BF_OP_NAME : OP_NAME;
+    return op == &g_rope_op    ? ROPE_OP_NAME
+           : op == &g_qrows_op ? QROWS_OP_NAME
+           : op == &g_bf16_op  ? BF_OP_NAME
+           : op == &g_sm_op    ? SM_OP_NAME
+                               : OP_NAME;
 }
 static const char *op_provider(const OrtCustomOp *op) { (void)op; return "CPUExecutionProvider"; }
 static const char *op_types(const OrtCustomOp *op) {
-    return op == &g_rope_op ? ROPE_TYPES : op == &g_qrows_op ? "F" : op == &g_bf16_op ? "FB" : PLAIN_TYPES;
+    return op == &g_rope_op ? ROPE_TYPES : op == &g_qrows_op || op == &g_sm_op ? "F" : op == &g_bf16_op ? "FB" : PLAIN_TYPES;
 }
 static ONNXTensorElementDataType input_type(const OrtCustomOp *op, size_t i) { return type_of(op_types(op)[i]); }
 static size_t input_count(const OrtCustomOp *op) { return strlen(op_types(op)); }
@@ -1240,6 +1324,7 @@ static OrtCustomOp g_op = CUSTOM_OP;
 static OrtCustomOp g_rope_op = CUSTOM_OP; /* told apart by their addresses */
 static OrtCustomOp g_qrows_op = CUSTOM_OP;
 static OrtCustomOp g_bf16_op = CUSTOM_OP;
+static OrtCustomOp g_sm_op = CUSTOM_OP;
 
 /* ONNX Runtime's entry point for SessionOptions.register_custom_ops_library. */
 __attribute__((visibility("default")))
@@ -1266,6 +1351,7 @@ OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *api_b
         if ((st = ORT_FN(g_api, CustomOpDomain_Add, OrtCustomOpDomainAddFn)(g_domain, &g_rope_op))) return st;
         if ((st = ORT_FN(g_api, CustomOpDomain_Add, OrtCustomOpDomainAddFn)(g_domain, &g_qrows_op))) return st;
         if ((st = ORT_FN(g_api, CustomOpDomain_Add, OrtCustomOpDomainAddFn)(g_domain, &g_bf16_op))) return st;
+        if ((st = ORT_FN(g_api, CustomOpDomain_Add, OrtCustomOpDomainAddFn)(g_domain, &g_sm_op))) return st;
     }
     return ORT_FN(g_api, AddCustomOpDomain, OrtAddCustomOpDomainFn)(options, g_domain);
 }
