@@ -17,6 +17,10 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
+# RoPE types of rope_parameters / rope_scaling the model definition computes as transformers does
+# (compiler/models/llama.py rope_inv_freq); `dynamic` equals `default` up to max_position_embeddings,
+# where max_model_len is capped
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -78,8 +82,8 @@ class ModelConfig:
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "linear", "llama3"):
-            raise CheckpointError(f"RoPE type {rope_type!r} is not supported (default, linear, llama3)")
+        if rope_type not in ROPE_TYPES:
+            raise CheckpointError(f"RoPE type {rope_type!r} is not supported ({', '.join(ROPE_TYPES)})")
         if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
             raise CheckpointError("partial_rotary_factor != 1 is not supported")
         rope_scaling = None if rope_type == "default" else {

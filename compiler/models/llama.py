@@ -29,14 +29,73 @@ from torch import nn
 from compiler.checkpoint import ModelConfig
 
 
+def _yarn_factor(cfg: ModelConfig) -> float:
+    sc = cfg.rope_scaling or {}
+    factor = sc.get("factor")
+    original = float(sc.get("original_max_position_embeddings") or cfg.max_position_embeddings)
+    return float(factor) if factor is not None else cfg.max_position_embeddings / original
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """The factor Hugging Face multiplies cos and sin by (YaRN's attention factor; 1 for the other types).
+
+    Both q and k are rotated with it, so every attention score carries its square: the model folds that
+    into the softmax scale instead of scaling cos/sin (the same numbers up to float rounding, and the
+    graph's rotation stays the plain one that the fusion rules and kernels know)."""
+    sc = cfg.rope_scaling
+    if sc is None or sc.get("rope_type", sc.get("type")) != "yarn":
+        return 1.0
+    if sc.get("attention_factor") is not None:
+        return float(sc["attention_factor"])
+    factor = _yarn_factor(cfg)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if sc.get("mscale") and sc.get("mscale_all_dim"):
+        return float(mscale(factor, float(sc["mscale"])) / mscale(factor, float(sc["mscale_all_dim"])))
+    return mscale(factor)
+
+
+def _yarn_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """YaRN (NTK-by-parts): interpolated frequencies below the correction range, extrapolated above it,
+    a linear ramp between (Hugging Face's _compute_yarn_parameters, float32 as there)."""
+    sc = cfg.rope_scaling or {}
+    dim, base = cfg.head_dim, cfg.rope_theta
+    factor = _yarn_factor(cfg)
+    original = float(sc.get("original_max_position_embeddings") or cfg.max_position_embeddings)
+    beta_fast, beta_slow = float(sc.get("beta_fast") or 32), float(sc.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if sc.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as there: no division by zero
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extrapolation = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies as Hugging Face computes them (default, linear, llama3)."""
+    """Inverse frequencies as Hugging Face computes them (default, linear, llama3, yarn, dynamic).
+
+    `dynamic` (NTK) recomputes the base only for sequences longer than max_position_embeddings, which
+    is where the build caps max_model_len: within it the frequencies are the default ones exactly."""
     dim = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim))
     sc = cfg.rope_scaling
     if sc is None:
         return inv
     kind = sc.get("rope_type", sc.get("type"))
+    if kind == "dynamic":
+        return inv
+    if kind == "yarn":
+        return _yarn_inv_freq(cfg)
     factor = float(sc["factor"])
     if kind == "linear":
         return inv / factor
@@ -90,7 +149,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
         self.window = cfg.sliding_windows[layer]
-        self.scale = 1.0 / math.sqrt(self.d)
+        self.scale = rope_attention_factor(cfg) ** 2 / math.sqrt(self.d)  # YaRN's factor on q and k, folded
 
     def forward(
         self,
