@@ -70,8 +70,12 @@ class ModelConfig:
         archs = cfg.get("architectures") or []
         arch = archs[0] if archs else "<none>"
         if arch not in SUPPORTED_ARCHITECTURES:
+            from compiler.models.families import nearest_family
+
+            model_type = cfg.get("model_type") or "this checkpoint"
             raise CheckpointError(
-                f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"architecture {arch!r} (model_type {model_type}) is not supported; supported: "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}\n{nearest_family(cfg).describe(str(model_type))}"
             )
         if cfg.get("hidden_act", "silu") != "silu":
             raise CheckpointError(f"hidden_act {cfg.get('hidden_act')!r} is not supported (only 'silu')")

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
-from conftest import DEMO_MODEL, make_random_checkpoint, write_recipe
+from conftest import DEMO_MODEL, ROOT, make_random_checkpoint, write_recipe
 
 from compiler.build import build
 from compiler.checkpoint import inspect_checkpoint
@@ -186,3 +188,40 @@ def test_generation_config_eos_ids_override_config(tmp_path: Path) -> None:
     assert inspect_checkpoint(folder).config.eos_token_ids == (1, 2, 3)
     (folder / "generation_config.json").write_text(json.dumps({"do_sample": False}))  # names none: config's
     assert inspect_checkpoint(folder).config.eos_token_ids == (1,)
+
+
+def dry_run(tmp_path: Path, config: dict[str, object]) -> subprocess.CompletedProcess[str]:
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps(config))
+    recipe = write_recipe(tmp_path, ckpt)
+    return subprocess.run([sys.executable, "-m", "compiler.cli", "build", "--dry-run", str(recipe)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_dry_run_names_nearest_family_of_gemma2(tmp_path: Path) -> None:
+    cfg = transformers.Gemma2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16).to_dict()
+    cfg["architectures"] = ["Gemma2ForCausalLM"]
+    res = dry_run(tmp_path, cfg)
+    assert res.returncode == 1
+    out = res.stdout + res.stderr
+    assert "architecture 'Gemma2ForCausalLM' (model_type gemma2) is not supported" in out
+    assert "nearest supported family: llama (LlamaForCausalLM); gemma2 differs in:" in out
+    for needle in ("GeGLU activation ('gelu_pytorch_tanh'", "(1+w) RMSNorm", "attention-logit soft-capping "
+                   "(attn_logit_softcapping=50.0)", "final-logit soft-capping", "query_pre_attn_scalar=256"):
+        assert needle in out, needle
+
+
+def test_dry_run_names_nearest_family_of_an_unknown_model_type(tmp_path: Path) -> None:
+    """A model type no table knows: the comparison of its config keys picks the family and the differences."""
+    cfg = transformers.Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16).to_dict()
+    cfg.update(architectures=["AcmeForCausalLM"], model_type="acme", use_qk_norm=True, num_local_experts=4,
+               num_experts_per_tok=2, rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0})
+    res = dry_run(tmp_path, cfg)
+    assert res.returncode == 1
+    out = res.stdout + res.stderr
+    assert "nearest supported family: qwen3 (Qwen3ForCausalLM); acme differs in:" in out
+    assert "mixture of experts (4 experts, 2 per token; ours: one dense MLP)" in out
+    assert "RoPE type 'yarn'" in out and "q/k LayerNorm" not in out
