@@ -29,6 +29,7 @@ from compiler.tokenizer import (
     resolve_tokenizer,
     write_tokenizer,
 )
+from runtime.artifact import describe
 from runtime.engine import LLMEngine, Tokenizer
 from runtime.sampling import SamplingParams
 from runtime.server import ChatTemplate
@@ -136,6 +137,7 @@ def test_qwen2_checkpoint_with_byte_level_tokenizer_builds_with_transformers_ids
     package = next(p for p in manifest["passes"] if p["name"] == "package")
     assert package["config"]["tokenizer"] == "transformers" and package["stats"]["tokenizer_source"] == "transformers"
     assert "transformers" in manifest["created_by"] and "tokenizers" in manifest["created_by"]
+    assert dict(describe(manifest))["tokenizer"].startswith("resolved by transformers' Qwen2Tokenizer (replaces")
 
     runtime_tok = Tokenizer(artifact / "tokenizer")
     for text in [PROMPT, *parity_texts(hf)]:
