@@ -166,7 +166,7 @@ def _check_quantization_order(recipe: Recipe) -> None:
 
 def _tool_versions() -> dict[str, str]:
     versions = {"optimize": TOOL_VERSION, "python": f"{sys.version_info.major}.{sys.version_info.minor}"}
-    for mod in ("torch", "onnx", "onnxruntime", "onnxscript"):
+    for mod in ("torch", "onnx", "onnxruntime", "onnxscript", "transformers", "tokenizers"):
         try:
             versions[mod] = __import__(mod).__version__
         except ImportError:  # pragma: no cover
@@ -562,6 +562,7 @@ def _manifest(ctx: BuildContext, src_sha: str, pass_records: list[dict[str, Any]
                    "matmul": recipe.target.matmul or recipe.target.dtype,
                    "kv_cache_dtype": ctx.artifacts.get("kv_cache_dtype", recipe.target.dtype)},
         "passes": pass_records,
+        **({"tokenizer": ctx.artifacts["tokenizer"]} if "tokenizer" in ctx.artifacts else {}),
         "kernels": {"attention": ctx.artifacts.get("attention_kernel") or ATTENTION_KERNEL},
         **({"engine": ctx.artifacts["engine_record"]} if "engine_record" in ctx.artifacts else {}),
         "cuda_graphs": ctx.artifacts.get("cuda_graphs") or {

@@ -2,7 +2,8 @@
 
 `inspect_checkpoint` reads only `config.json` and the safetensors headers (no weights), so a
 dry run can check the source in milliseconds. `load_weights` reads the tensors. `source_sha256`
-hashes the config and every weight file for the manifest's provenance.
+hashes the config and every weight file for the manifest's provenance. The EOS ids are those of
+`generation_config.json` where it sets them (what transformers' `generate` stops on), else config.json's.
 """
 
 from __future__ import annotations
@@ -67,12 +68,18 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
 
     @classmethod
-    def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
+    def from_hf(cls, cfg: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
+        """From config.json (`cfg`) and, where the checkpoint has one, generation_config.json
+        (`generation`): its eos_token_id, when set, is what transformers' generate stops on."""
         archs = cfg.get("architectures") or []
         arch = archs[0] if archs else "<none>"
         if arch not in SUPPORTED_ARCHITECTURES:
+            from compiler.models.families import nearest_family
+
+            model_type = cfg.get("model_type") or "this checkpoint"
             raise CheckpointError(
-                f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"architecture {arch!r} (model_type {model_type}) is not supported; supported: "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}\n{nearest_family(cfg).describe(str(model_type))}"
             )
         if cfg.get("hidden_act", "silu") != "silu":
             raise CheckpointError(f"hidden_act {cfg.get('hidden_act')!r} is not supported (only 'silu')")
@@ -91,8 +98,10 @@ class ModelConfig:
         }
         layers = int(cfg["num_hidden_layers"])
         windows = _sliding_windows(arch, cfg, layers)
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        eos = (generation or {}).get("eos_token_id")
+        if eos is None:
+            eos = cfg.get("eos_token_id")
+        eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         family_qkv_bias = arch == "Qwen2ForCausalLM"
         return cls(
             architecture=arch,
@@ -172,6 +181,20 @@ class CheckpointInfo:
         return total
 
 
+def read_generation_config(path: Path) -> dict[str, Any] | None:
+    """generation_config.json of the checkpoint folder, or None when it has none."""
+    gen_path = path / "generation_config.json"
+    if not gen_path.is_file():
+        return None
+    try:
+        data = json.loads(gen_path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{gen_path}: invalid JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{gen_path}: must hold a JSON object")
+    return data
+
+
 def read_config(path: Path) -> dict[str, Any]:
     cfg_path = path / "config.json"
     if not path.is_dir():
@@ -220,7 +243,7 @@ def _safetensors_header(file: Path) -> dict[str, Any]:
 def inspect_checkpoint(path: str | Path) -> CheckpointInfo:
     """Config + tensor names/shapes from the safetensors headers; reads no weight data."""
     path = Path(path).resolve()
-    config = ModelConfig.from_hf(read_config(path))
+    config = ModelConfig.from_hf(read_config(path), read_generation_config(path))
     files = weight_files(path)
     tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
     for f in files:

@@ -633,6 +633,16 @@ def _describe(manifest: dict[str, Any]) -> list[tuple[str, str]]:
             f"{k}: {v.get('implementation', _short(v)) if isinstance(v, dict) else v}" for k, v in kernels.items())))
     elif kernels is not None:
         rows.append(("kernels", _line(kernels)))
+    tok = manifest.get("tokenizer")
+    if isinstance(tok, dict):
+        cls = tok.get("class")
+        where = (f"tokenizer.json as found ({cls})" if tok.get("source") == "file"
+                 else f"resolved by transformers' {cls} (replaces the file's {_short(tok.get('resolved'))})")
+        parity = tok.get("parity") or {}
+        rows.append(("tokenizer", f"{where}; parity with transformers on {parity.get('texts')} texts, "
+                                  f"{parity.get('tokens')} tokens"))
+    elif tok is not None:
+        rows.append(("tokenizer", _line(tok)))
     cg = manifest.get("cuda_graphs")
     if isinstance(cg, dict):
         text = f"{'applies' if cg.get('applies') else 'does not apply'}: {cg.get('reason', '-')}"

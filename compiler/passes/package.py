@@ -1,5 +1,6 @@
 """Packaging: write the model (ONNX with external weights, the torch.export program for the torch
-target, or the TensorRT engine and its timing cache for the tensorrt target), tokenizer files and
+target, or the TensorRT engine and its timing cache for the tensorrt target), the tokenizer (as
+transformers resolves it, checked for parity with transformers: compiler/tokenizer.py) and
 runtime.json.
 
 The manifest itself is written by the build driver (compiler/build.py) through runtime/artifact.py
@@ -10,11 +11,10 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
-from compiler.passes.base import BuildContext, Pass
+from compiler.passes.base import BuildContext, BuildError, Pass
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +28,10 @@ TIMING_CACHE_FILE = "timing.cache"  # TensorRT's timing cache of that build (see
 @dataclass(frozen=True)
 class PackageOptions:
     external_data_threshold: int = 1024  # tensors at least this many bytes go to model.onnx.data
+    # "transformers": tokenizer/ holds the pipeline, special tokens and chat template that
+    # transformers.AutoTokenizer resolves for the checkpoint; "file": the checkpoint's files as found.
+    # Either way the build fails when the artifact's ids differ from transformers' on the parity sample.
+    tokenizer: Literal["transformers", "file"] = "transformers"
 
 
 def runtime_config(ctx: BuildContext) -> dict[str, Any]:
@@ -122,10 +126,13 @@ class PackagePass(Pass):
                 convert_attribute=False,
             )
             model_file, weights_file = MODEL_FILE, WEIGHTS_FILE
-        tok_dir = out / "tokenizer"
-        tok_dir.mkdir(exist_ok=True)
-        for f in ctx.checkpoint.tokenizer_files:
-            shutil.copyfile(f, tok_dir / f.name)
+        from compiler.tokenizer import TokenizerParityError, write_tokenizer
+
+        try:
+            ctx.artifacts["tokenizer"] = write_tokenizer(ctx.checkpoint.path, ctx.checkpoint.tokenizer_files,
+                                                         out / "tokenizer", source=self.config.tokenizer)
+        except TokenizerParityError as exc:
+            raise BuildError(str(exc)) from exc
         (out / "runtime.json").write_text(
             json.dumps(runtime_config(ctx), sort_keys=True, indent=2) + "\n", encoding="utf-8"
         )
@@ -135,5 +142,6 @@ class PackagePass(Pass):
             "weights_file": weights_file,
             "weights_bytes": (out / weights_file).stat().st_size,
             "tokenizer_files": sorted(f.name for f in ctx.checkpoint.tokenizer_files),
+            "tokenizer_source": ctx.artifacts["tokenizer"]["source"],
             "files": files,
         }
