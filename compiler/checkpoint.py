@@ -27,6 +27,7 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "GraniteForCausalLM",
 )
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -44,7 +45,7 @@ class CheckpointError(Exception):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The architecture facts our model definition needs, normalised across the four families."""
+    """The architecture facts our model definition needs, normalised across the families."""
 
     architecture: str
     vocab_size: int
@@ -66,6 +67,12 @@ class ModelConfig:
     sliding_windows: tuple[int | None, ...]  # per layer; None = full attention
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    # Granite's multipliers (1 / None elsewhere): the embeddings, each residual branch, the attention's
+    # softmax scale (in place of 1/sqrt(head_dim)) and the logits (divided)
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
@@ -124,6 +131,7 @@ class ModelConfig:
             sliding_windows=windows,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            **_multipliers(arch, cfg),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -133,6 +141,15 @@ class ModelConfig:
         d["sliding_windows"] = list(self.sliding_windows)
         d["eos_token_ids"] = list(self.eos_token_ids)
         return d
+
+
+def _multipliers(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    if arch != "GraniteForCausalLM":
+        return {}
+    return {"embedding_multiplier": float(cfg.get("embedding_multiplier", 1.0)),
+            "residual_multiplier": float(cfg.get("residual_multiplier", 1.0)),
+            "attention_multiplier": float(cfg.get("attention_multiplier", 1.0)),
+            "logits_scaling": float(cfg.get("logits_scaling", 1.0))}
 
 
 def _sliding_windows(arch: str, cfg: dict[str, Any], layers: int) -> tuple[int | None, ...]:

@@ -24,8 +24,8 @@ from runtime.engine import LLMEngine
 from runtime.forward_batch import ForwardBatch
 from runtime.sampling import SamplingParams
 
-ARCHS = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
-# (architecture, config overrides): the four families, plus Mistral with a sliding window shorter
+ARCHS = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GraniteForCausalLM"]
+# (architecture, config overrides): the five families, plus Mistral with a sliding window shorter
 # than the prompts so the window mask is exercised across chunks and blocks, and Qwen2 with YaRN
 # (Qwen2.5's long-context setting: factor 4 over a pretraining length the prompts cross)
 YARN = {"rope_theta": 10000.0, "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
@@ -34,7 +34,7 @@ VARIANTS = [(a, {}) for a in ARCHS] + [("MistralForCausalLM", {"sliding_window":
 LOGITS_TOL = 1e-3
 
 
-VARIANT_IDS = ["llama", "mistral", "qwen2", "qwen3", "mistral-sliding", "qwen2-yarn"]
+VARIANT_IDS = ["llama", "mistral", "qwen2", "qwen3", "granite", "mistral-sliding", "qwen2-yarn"]
 # every architecture on both CPU targets: ONNX Runtime (model.onnx) and torch (the torch.export program)
 BACKENDS = ["onnxruntime", "torch"]
 # ... and ONNX Runtime with the C paged-attention kernel (select_attention kernel: paged_cpu), fused: the

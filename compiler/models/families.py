@@ -22,6 +22,7 @@ FAMILIES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "granite": "GraniteForCausalLM",
 }
 
 _GEMMA = ["(1+w) RMSNorm weights (ours: w)", "embeddings scaled by sqrt(hidden_size)"]
@@ -40,7 +41,6 @@ KNOWN: dict[str, tuple[str, list[str]]] = {
     "olmo2": ("qwen3", ["RMSNorm after attention and after the MLP instead of before (post-norm)",
                         "q/k RMSNorm over all heads together (ours: per head)"]),
     "cohere": ("llama", ["attention and MLP in parallel on one residual (ours: one after the other)"]),
-    "granite": ("llama", []),
     "starcoder2": ("mistral", [_NON_GATED, "a bias on every projection"]),
     "gpt2": ("llama", ["learned absolute position embeddings (ours: RoPE)", _NON_GATED,
                        "fused c_attn Conv1D weights"]),

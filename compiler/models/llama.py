@@ -149,7 +149,9 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
         self.window = cfg.sliding_windows[layer]
-        self.scale = rope_attention_factor(cfg) ** 2 / math.sqrt(self.d)  # YaRN's factor on q and k, folded
+        # YaRN's factor on q and k, folded; Granite's attention_multiplier in place of 1/sqrt(d)
+        base = cfg.attention_multiplier if cfg.attention_multiplier is not None else 1.0 / math.sqrt(self.d)
+        self.scale = rope_attention_factor(cfg) ** 2 * base
 
     def forward(
         self,
@@ -278,7 +280,7 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForwardBatchModel(nn.Module):
-    """Llama/Mistral/Qwen2/Qwen3 decoder taking the ForwardBatch arrays plus the per-layer KV pools."""
+    """Llama/Mistral/Qwen2/Qwen3/Granite decoder taking the ForwardBatch arrays plus the per-layer KV pools."""
 
     def __init__(self, cfg: ModelConfig, block_size: int, attention: str = "decomposed") -> None:
         super().__init__()
@@ -303,6 +305,9 @@ class LlamaForwardBatchModel(nn.Module):
     ) -> tuple[torch.Tensor, ...]:
         cfg = self.cfg
         x = self.embed_tokens(input_ids)
+        if cfg.embedding_multiplier != 1.0:
+            x = x * cfg.embedding_multiplier
+        rm = cfg.residual_multiplier
         freqs = positions.to(torch.float32).unsqueeze(1) * self.inv_freq.unsqueeze(0)
         emb = torch.cat([freqs, freqs], dim=-1)
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
@@ -311,11 +316,14 @@ class LlamaForwardBatchModel(nn.Module):
         new_kv: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
             h, k, v = layer.self_attn(layer.input_layernorm(x), cos, sin, ctx, kv_cache[2 * i], kv_cache[2 * i + 1])
-            x = x + h
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = x + (h if rm == 1.0 else h * rm)
+            m = layer.mlp(layer.post_attention_layernorm(x))
+            x = x + (m if rm == 1.0 else m * rm)
             new_kv += [k, v]
         h = self.norm(x[logits_index])
         logits = self.lm_head(h).to(torch.float32)
+        if cfg.logits_scaling != 1.0:
+            logits = logits / cfg.logits_scaling
         return (logits, *new_kv)
 
     # -- weights -------------------------------------------------------------------------------
