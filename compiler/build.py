@@ -89,7 +89,7 @@ def plan(recipe_path: str | Path) -> Plan:
     """Check recipe + checkpoint + pass order without loading weights; RecipeError on any problem."""
     recipe = load_recipe(recipe_path, pass_options())
     try:
-        info = inspect_checkpoint(recipe.checkpoint)
+        info = inspect_checkpoint(recipe.checkpoint, recipe.runtime.max_model_len)
     except CheckpointError as e:
         raise recipe.error("source.checkpoint", str(e)) from e
     t = recipe.target

@@ -21,13 +21,14 @@ log = logging.getLogger(__name__)
 # RoPE types of rope_parameters / rope_scaling the model definition computes as transformers does
 # (compiler/models/llama.py rope_inv_freq); `dynamic` equals `default` up to max_position_embeddings,
 # where max_model_len is capped
-ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "GraniteForCausalLM",
+    "Phi3ForCausalLM",
 )
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -73,11 +74,14 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
+    rotary_dim: int = 0  # dimensions of a head that RoPE turns (partial_rotary_factor * head_dim); 0: all
 
     @classmethod
-    def from_hf(cls, cfg: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
+    def from_hf(cls, cfg: dict[str, Any], generation: dict[str, Any] | None = None,
+                max_model_len: int | None = None) -> ModelConfig:
         """From config.json (`cfg`) and, where the checkpoint has one, generation_config.json
-        (`generation`): its eos_token_id, when set, is what transformers' generate stops on."""
+        (`generation`): its eos_token_id, when set, is what transformers' generate stops on.
+        `max_model_len` (the recipe's) picks LongRoPE's factor set (see _longrope_factors)."""
         archs = cfg.get("architectures") or []
         arch = archs[0] if archs else "<none>"
         if arch not in SUPPORTED_ARCHITECTURES:
@@ -98,11 +102,16 @@ class ModelConfig:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ROPE_TYPES:
             raise CheckpointError(f"RoPE type {rope_type!r} is not supported ({', '.join(ROPE_TYPES)})")
-        if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
-            raise CheckpointError("partial_rotary_factor != 1 is not supported")
+        partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+        rotary_dim = int(head_dim * partial)
+        if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
+            raise CheckpointError(f"partial_rotary_factor {partial} gives {rotary_dim} rotated dimensions of "
+                                  f"{head_dim}: must be even and positive")
         rope_scaling = None if rope_type == "default" else {
-            k: v for k, v in sorted(rope.items()) if k not in ("rope_theta",)
+            k: v for k, v in sorted(rope.items()) if k not in ("rope_theta", "partial_rotary_factor")
         }
+        if rope_type == "longrope":
+            rope_scaling = _longrope_factors(rope_scaling or {}, cfg, head_dim, rotary_dim, max_model_len)
         layers = int(cfg["num_hidden_layers"])
         windows = _sliding_windows(arch, cfg, layers)
         eos = (generation or {}).get("eos_token_id")
@@ -131,6 +140,7 @@ class ModelConfig:
             sliding_windows=windows,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            rotary_dim=rotary_dim,
             **_multipliers(arch, cfg),
         )
 
@@ -141,6 +151,27 @@ class ModelConfig:
         d["sliding_windows"] = list(self.sliding_windows)
         d["eos_token_ids"] = list(self.eos_token_ids)
         return d
+
+
+def _longrope_factors(sc: dict[str, Any], cfg: dict[str, Any], head_dim: int, rotary_dim: int,
+                      max_model_len: int | None) -> dict[str, Any]:
+    """LongRoPE (Phi-3.5, Phi-4-mini): transformers turns positions with `short_factor` while a forward's
+    longest sequence is within original_max_position_embeddings and with `long_factor` beyond, switching
+    per forward (keys cached before the switch keep the short rotation). A paged cache needs one rotation
+    per artifact: the short factors when max_model_len stays within the original context (then every
+    result equals transformers'), the long ones when it goes beyond (transformers' rotation for any
+    forward past the original length). The choice is written into the config as `factors`."""
+    original = sc.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+    if not original:
+        raise CheckpointError("longrope needs original_max_position_embeddings")
+    for key in ("short_factor", "long_factor"):
+        if len(sc.get(key) or []) != rotary_dim // 2:
+            raise CheckpointError(f"longrope {key} must have rotary_dim / 2 = {rotary_dim // 2} entries "
+                                  f"(head_dim {head_dim})")
+    max_pos = int(cfg.get("max_position_embeddings", 2048))
+    context = min(max_model_len, max_pos) if max_model_len else None
+    factors = "long" if context is not None and context > int(original) else "short"
+    return {**sc, "original_max_position_embeddings": int(original), "factors": factors}
 
 
 def _multipliers(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -154,7 +185,7 @@ def _multipliers(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
 
 def _sliding_windows(arch: str, cfg: dict[str, Any], layers: int) -> tuple[int | None, ...]:
     window = cfg.get("sliding_window")
-    if arch == "MistralForCausalLM":
+    if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
         return tuple([int(window) if window else None] * layers)
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         if not cfg.get("use_sliding_window", False) or not window:
@@ -257,10 +288,10 @@ def _safetensors_header(file: Path) -> dict[str, Any]:
     return header
 
 
-def inspect_checkpoint(path: str | Path) -> CheckpointInfo:
+def inspect_checkpoint(path: str | Path, max_model_len: int | None = None) -> CheckpointInfo:
     """Config + tensor names/shapes from the safetensors headers; reads no weight data."""
     path = Path(path).resolve()
-    config = ModelConfig.from_hf(read_config(path), read_generation_config(path))
+    config = ModelConfig.from_hf(read_config(path), read_generation_config(path), max_model_len)
     files = weight_files(path)
     tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
     for f in files:

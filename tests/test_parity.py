@@ -29,12 +29,20 @@ ARCHS = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3For
 # than the prompts so the window mask is exercised across chunks and blocks, and Qwen2 with YaRN
 # (Qwen2.5's long-context setting: factor 4 over a pretraining length the prompts cross)
 YARN = {"rope_theta": 10000.0, "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+# Phi-3.5's LongRoPE with Phi-4-mini's partial rotary (half of each head turns), a context of 4x the
+# original 512 (attention factor 1.1); the recipes' max_model_len 512 stays within it: the short factors
+LONGROPE = {"rope_theta": 10000.0, "rope_type": "longrope", "partial_rotary_factor": 0.5,
+            "original_max_position_embeddings": 512, "short_factor": [1.0, 1.3, 2.1, 3.7],
+            "long_factor": [1.5, 4.0, 9.0, 20.0]}
 VARIANTS = [(a, {}) for a in ARCHS] + [("MistralForCausalLM", {"sliding_window": 24}),
-                                        ("Qwen2ForCausalLM", {"rope_parameters": YARN})]
+                                        ("Qwen2ForCausalLM", {"rope_parameters": YARN}),
+                                        ("Phi3ForCausalLM", {"rope_parameters": LONGROPE, "original_max_position_embeddings": 512,
+                                                             "max_position_embeddings": 2048, "sliding_window": 40})]
 LOGITS_TOL = 1e-3
 
 
-VARIANT_IDS = ["llama", "mistral", "qwen2", "qwen3", "granite", "mistral-sliding", "qwen2-yarn"]
+VARIANT_IDS = ["llama", "mistral", "qwen2", "qwen3", "granite", "mistral-sliding", "qwen2-yarn",
+               "phi3-longrope-partial"]
 # every architecture on both CPU targets: ONNX Runtime (model.onnx) and torch (the torch.export program)
 BACKENDS = ["onnxruntime", "torch"]
 # ... and ONNX Runtime with the C paged-attention kernel (select_attention kernel: paged_cpu), fused: the
@@ -63,7 +71,10 @@ def random_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
         assert manifest["kernels"]["attention"]["variant"] == "paged_cpu"
         fuse = next(p for p in manifest["passes"] if p["name"] == "fuse")["stats"]
         layers = json.loads((artifact / "runtime.json").read_text())["model"]["num_layers"]
-        assert fuse["fusions"]["rotary_attention"] == (0 if arch == "Qwen3ForCausalLM" else layers)
+        # the fused op rotates whole heads after one QKV split: Qwen3's q/k norm and Phi's partial rotary
+        # (slices and a concat around the rotation) keep optimize.PagedAttention after the graph's RoPE
+        kept = arch == "Qwen3ForCausalLM" or "partial_rotary_factor" in overrides.get("rope_parameters", {})
+        assert fuse["fusions"]["rotary_attention"] == (0 if kept else layers)
     return ckpt, artifact
 
 

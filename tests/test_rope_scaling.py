@@ -64,6 +64,46 @@ def test_yarn_folds_its_attention_factor_into_the_softmax_scale() -> None:
 
 
 def test_an_unsupported_rope_type_names_the_supported_ones() -> None:
-    with pytest.raises(CheckpointError, match=r"'longrope' is not supported \(default, linear, llama3, yarn, dynamic\)"):
-        configs({"rope_type": "longrope", "short_factor": [1.0] * 16, "long_factor": [2.0] * 16,
-                 "original_max_position_embeddings": 1024})
+    with pytest.raises(CheckpointError, match=r"'su' is not supported \(default, linear, llama3, yarn, dynamic, longrope\)"):
+        configs({"rope_type": "su", "factor": 2.0})
+
+
+LONGROPE = {"rope_type": "longrope", "partial_rotary_factor": 0.5, "original_max_position_embeddings": 512,
+            "short_factor": [1.0, 1.1, 1.7, 2.9, 4.0, 6.5, 9.0, 12.0], "long_factor": [1.5, 3.0, 5.0, 9.0, 14.0, 20.0, 31.0, 40.0]}
+
+
+@pytest.mark.parametrize(("max_model_len", "factors"), [(None, "short"), (512, "short"), (513, "long"), (4096, "long")])
+def test_longrope_picks_one_factor_set_for_the_artifacts_context(max_model_len: int | None, factors: str) -> None:
+    """Partial rotary (16 of 32 dimensions) and LongRoPE: the short factors while max_model_len stays within
+    the original context (what transformers uses for every forward there), the long ones beyond (what it
+    uses for any forward past it); the attention factor from max_position_embeddings / original."""
+    cfg = transformers.Phi3Config(**BASE, rope_parameters={"rope_theta": 10000.0, **LONGROPE},
+                                  original_max_position_embeddings=512)  # Phi3Config's own key wins
+    cfg.architectures = ["Phi3ForCausalLM"]
+    ours = ModelConfig.from_hf(cfg.to_dict(), max_model_len=max_model_len)
+    assert ours.rotary_dim == 16 and ours.rope_scaling["factors"] == factors
+    seq_len = 513 if factors == "long" else None
+    want, factor = ROPE_INIT_FUNCTIONS["longrope"](cfg, torch.device("cpu"), seq_len=seq_len)
+    torch.testing.assert_close(rope_inv_freq(ours), want.to(torch.float32), rtol=1e-6, atol=0)
+    assert math.isclose(rope_attention_factor(ours), float(factor), rel_tol=1e-12) and factor > 1.0
+
+
+def test_partial_rotary_default_frequencies() -> None:
+    cfg = transformers.Phi3Config(**BASE, rope_parameters={"rope_theta": 10000.0, "rope_type": "default",
+                                                           "partial_rotary_factor": 0.75})
+    cfg.architectures = ["Phi3ForCausalLM"]
+    ours = ModelConfig.from_hf(cfg.to_dict())
+    want, _ = ROPE_INIT_FUNCTIONS["default"](cfg, torch.device("cpu")) if "default" in ROPE_INIT_FUNCTIONS else \
+        transformers.models.phi3.modeling_phi3.Phi3RotaryEmbedding.compute_default_rope_parameters(cfg)
+    assert ours.rotary_dim == 24
+    torch.testing.assert_close(rope_inv_freq(ours), want.to(torch.float32), rtol=1e-6, atol=0)
+
+
+def test_longrope_factor_lists_must_fit_the_rotated_dimensions() -> None:
+    cfg = transformers.Phi3Config(**BASE, rope_parameters={"rope_theta": 10000.0, **LONGROPE},
+                                  original_max_position_embeddings=512)
+    cfg.architectures = ["Phi3ForCausalLM"]
+    d = cfg.to_dict()
+    d["rope_parameters"] = {**d["rope_parameters"], "short_factor": [1.0] * 3}
+    with pytest.raises(CheckpointError, match="short_factor must have rotary_dim / 2 = 8 entries"):
+        ModelConfig.from_hf(d)

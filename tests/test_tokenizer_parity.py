@@ -220,10 +220,10 @@ def test_dry_run_names_nearest_family_of_an_unknown_model_type(tmp_path: Path) -
     cfg = transformers.Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16).to_dict()
     cfg.update(architectures=["AcmeForCausalLM"], model_type="acme", use_qk_norm=True, num_local_experts=4,
-               num_experts_per_tok=2, rope_parameters={"rope_type": "longrope", "rope_theta": 1e6, "factor": 4.0})
+               num_experts_per_tok=2, rope_parameters={"rope_type": "su", "rope_theta": 1e6, "factor": 4.0})
     res = dry_run(tmp_path, cfg)
     assert res.returncode == 1
     out = res.stdout + res.stderr
     assert "nearest supported family: qwen3 (Qwen3ForCausalLM); acme differs in:" in out
     assert "mixture of experts (4 experts, 2 per token; ours: one dense MLP)" in out
-    assert "RoPE type 'longrope'" in out and "q/k LayerNorm" not in out
+    assert "RoPE type 'su'" in out and "q/k LayerNorm" not in out

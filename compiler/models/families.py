@@ -23,6 +23,7 @@ FAMILIES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "granite": "GraniteForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 
 _GEMMA = ["(1+w) RMSNorm weights (ours: w)", "embeddings scaled by sqrt(hidden_size)"]
@@ -33,7 +34,6 @@ KNOWN: dict[str, tuple[str, list[str]]] = {
     "gemma2": ("llama", [*_GEMMA, "extra RMSNorms after attention and after the MLP (post-norms)"]),
     "gemma3_text": ("qwen3", [*_GEMMA, "extra RMSNorms after attention and after the MLP (post-norms)",
                               "a second RoPE base for the sliding-window layers"]),
-    "phi3": ("llama", ["fused qkv_proj and gate_up_proj weights (ours: separate q/k/v and gate/up)"]),
     "phi": ("llama", [_NON_GATED, "a bias on every projection"]),
     "mixtral": ("mistral", []),
     "qwen2_moe": ("qwen2", ["a shared expert with a sigmoid gate next to the routed experts"]),
@@ -102,9 +102,6 @@ def config_differences(cfg: dict[str, Any], gated: bool = True) -> list[str]:
     if cfg.get("kv_lora_rank"):
         out.append(f"multi-head latent attention (kv_lora_rank={cfg['kv_lora_rank']})")
     rope = _rope(cfg)
-    partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", cfg.get("rotary_pct", 1.0)))
-    if partial not in (None, 1, 1.0):
-        out.append(f"partial rotary embedding (factor {partial}; ours: all of head_dim)")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ROPE_TYPES:
         out.append(f"RoPE type {rope_type!r} (ours: {', '.join(ROPE_TYPES)})")

@@ -1,4 +1,5 @@
-"""Our model definition for the Llama family (Llama, Mistral, Qwen2, Qwen3) with the ForwardBatch interface.
+"""Our model definition for the Llama family (Llama, Mistral, Qwen2, Qwen3, Granite, Phi-3) with the ForwardBatch
+interface.
 
 One forward runs any mix of prefill chunks and decode tokens, packed without padding. Attention is
 a paged attention written in standard ops (so it exports to plain ONNX):
@@ -29,6 +30,11 @@ from torch import nn
 from compiler.checkpoint import ModelConfig
 
 
+def rope_dim(cfg: ModelConfig) -> int:
+    """Dimensions of a head that RoPE turns (partial_rotary_factor * head_dim; all by default)."""
+    return cfg.rotary_dim or cfg.head_dim
+
+
 def _yarn_factor(cfg: ModelConfig) -> float:
     sc = cfg.rope_scaling or {}
     factor = sc.get("factor")
@@ -39,15 +45,20 @@ def _yarn_factor(cfg: ModelConfig) -> float:
 def rope_attention_factor(cfg: ModelConfig) -> float:
     """The factor Hugging Face multiplies cos and sin by (YaRN's attention factor; 1 for the other types).
 
-    Both q and k are rotated with it, so every attention score carries its square: the model folds that
-    into the softmax scale instead of scaling cos/sin (the same numbers up to float rounding, and the
-    graph's rotation stays the plain one that the fusion rules and kernels know)."""
+    Both q and k are rotated with it, so where the whole head turns every attention score carries its
+    square: the model folds that into the softmax scale instead of scaling cos/sin (the same numbers up
+    to float rounding, and the graph's rotation stays the plain one that the fusion rules and kernels
+    know). Under a partial rotation only the turned dimensions carry it: there cos/sin are scaled."""
     sc = cfg.rope_scaling
-    if sc is None or sc.get("rope_type", sc.get("type")) != "yarn":
+    kind = None if sc is None else sc.get("rope_type", sc.get("type"))
+    if sc is None or kind not in ("yarn", "longrope"):
         return 1.0
     if sc.get("attention_factor") is not None:
         return float(sc["attention_factor"])
     factor = _yarn_factor(cfg)
+    if kind == "longrope":  # Phi-3's: sqrt(1 + ln(factor) / ln(original context))
+        original = float(sc["original_max_position_embeddings"])
+        return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
     def mscale(scale: float, m: float = 1.0) -> float:
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
@@ -61,7 +72,7 @@ def _yarn_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """YaRN (NTK-by-parts): interpolated frequencies below the correction range, extrapolated above it,
     a linear ramp between (Hugging Face's _compute_yarn_parameters, float32 as there)."""
     sc = cfg.rope_scaling or {}
-    dim, base = cfg.head_dim, cfg.rope_theta
+    dim, base = rope_dim(cfg), cfg.rope_theta
     factor = _yarn_factor(cfg)
     original = float(sc.get("original_max_position_embeddings") or cfg.max_position_embeddings)
     beta_fast, beta_slow = float(sc.get("beta_fast") or 32), float(sc.get("beta_slow") or 1)
@@ -82,11 +93,11 @@ def _yarn_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies as Hugging Face computes them (default, linear, llama3, yarn, dynamic).
+    """Inverse frequencies as Hugging Face computes them (default, linear, llama3, yarn, dynamic, longrope).
 
     `dynamic` (NTK) recomputes the base only for sequences longer than max_position_embeddings, which
     is where the build caps max_model_len: within it the frequencies are the default ones exactly."""
-    dim = cfg.head_dim
+    dim = rope_dim(cfg)
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim))
     sc = cfg.rope_scaling
     if sc is None:
@@ -94,6 +105,9 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     kind = sc.get("rope_type", sc.get("type"))
     if kind == "dynamic":
         return inv
+    if kind == "longrope":  # the factor set compiler/checkpoint.py chose for the artifact's context
+        ext = torch.tensor(sc["long_factor" if sc.get("factors") == "long" else "short_factor"], dtype=torch.float32)
+        return 1.0 / (ext * cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if kind == "yarn":
         return _yarn_inv_freq(cfg)
     factor = float(sc["factor"])
@@ -110,6 +124,26 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         is_medium = ~(wavelen < high_wl) * ~(wavelen > low_wl)
         return torch.where(is_medium, smoothed, inv_l)
     raise ValueError(f"unsupported RoPE scaling {kind!r}")
+
+
+def split_fused_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Phi-3 stores q/k/v as one `qkv_proj` ([q; k; v] rows) and gate/up as one `gate_up_proj` ([gate; up]):
+    the same tensors under our per-projection names (the fuse pass joins them again in the graph)."""
+    if cfg.architecture != "Phi3ForCausalLM":
+        return weights
+    out = dict(weights)
+    q_rows, kv_rows = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    for name in [n for n in weights if n.endswith(("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight"))]:
+        w, prefix = out.pop(name), name.rsplit(".", 2)[0]
+        if name.endswith("qkv_proj.weight"):
+            parts = torch.split(w, [q_rows, kv_rows, kv_rows], dim=0)
+            names = ("q_proj", "k_proj", "v_proj")
+        else:
+            parts = torch.chunk(w, 2, dim=0)
+            names = ("gate_proj", "up_proj")
+        for part, sub in zip(parts, names, strict=True):
+            out[f"{prefix}.{sub}.weight"] = part
+    return out
 
 
 class RMSNorm(nn.Module):
@@ -148,10 +182,13 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
+        self.rotary_dim = rope_dim(cfg)
         self.window = cfg.sliding_windows[layer]
-        # YaRN's factor on q and k, folded; Granite's attention_multiplier in place of 1/sqrt(d)
+        # YaRN's / LongRoPE's factor on q and k, folded where the whole head turns (a partial rotation
+        # scales only the turned dimensions: the model scales cos/sin there); Granite's
+        # attention_multiplier in place of 1/sqrt(d)
         base = cfg.attention_multiplier if cfg.attention_multiplier is not None else 1.0 / math.sqrt(self.d)
-        self.scale = rope_attention_factor(cfg) ** 2 * base
+        self.scale = (rope_attention_factor(cfg) ** 2 if rope_dim(cfg) == self.d else 1.0) * base
 
     def forward(
         self,
@@ -170,8 +207,13 @@ class Attention(nn.Module):
             q = self.q_norm(q)
             k = self.k_norm(k)
         cos_, sin_ = cos.unsqueeze(1), sin.unsqueeze(1)
-        q = q * cos_ + _rotate_half(q) * sin_
-        k = k * cos_ + _rotate_half(k) * sin_
+        if self.rotary_dim == self.d:
+            q = q * cos_ + _rotate_half(q) * sin_
+            k = k * cos_ + _rotate_half(k) * sin_
+        else:  # partial rotary (Phi-3 family): the first rotary_dim dimensions turn, the rest pass
+            r = self.rotary_dim
+            q = torch.cat([q[..., :r] * cos_ + _rotate_half(q[..., :r]) * sin_, q[..., r:]], dim=-1)
+            k = torch.cat([k[..., :r] * cos_ + _rotate_half(k[..., :r]) * sin_, k[..., r:]], dim=-1)
         if self.variant != "decomposed":
             return self._fused(q, k, v, ctx, k_cache, v_cache), k, v
 
@@ -310,7 +352,10 @@ class LlamaForwardBatchModel(nn.Module):
         rm = cfg.residual_multiplier
         freqs = positions.to(torch.float32).unsqueeze(1) * self.inv_freq.unsqueeze(0)
         emb = torch.cat([freqs, freqs], dim=-1)
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if rope_dim(cfg) != cfg.head_dim and rope_attention_factor(cfg) != 1.0:  # as transformers: on cos/sin
+            cos, sin = cos * rope_attention_factor(cfg), sin * rope_attention_factor(cfg)
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         ctx = AttentionContext(positions, cu_seqlens, past_lens, block_table, self.block_size, cfg.num_kv_heads,
                                indices=self.attention == "decomposed")
         new_kv: list[torch.Tensor] = []
@@ -334,6 +379,7 @@ class LlamaForwardBatchModel(nn.Module):
 
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> list[str]:
         """Copy Hugging Face tensors in by name; returns the HF names that were not used."""
+        weights = split_fused_weights(self.cfg, weights)
         used: set[str] = set()
         missing: list[str] = []
         with torch.no_grad():
