@@ -11,10 +11,18 @@ For each engine, on the artifact's tokenizer (tokenizer/tokenizer.json, offline)
    token into an int32 bitmask row (the sampler's format), then the token is consumed; median and p99
    over every step of --repeat walks, and the consume time.
 
-Both engines compact JSON (no free whitespace) so they constrain the same language. Prints a table and
-writes JSON (bench/results/structured_engines.json by default).
+Both engines compact JSON (no free whitespace) so they constrain the same language.
 
-    python bench/structured_engines.py artifacts/pycode-llama-6m/1.0.0 [--repeat 20] [--out FILE]
+4. with --engine-steps: the chosen engine inside LLMEngine on the artifact: --seqs requests decoding
+   together (16 steps of warm-up, then --steps steps), all free, half constrained by the JSON schema, all
+   constrained, and all constrained with the masks computed before the forward on the engine thread
+   (overlap_masks=False); per step the median step time, the time spent in the mask computation call (on
+   the worker: until it has the GIL back), and the time the step waited for masks (after the forward, or
+   before it without the overlap).
+
+Prints tables and writes JSON (bench/results/structured_engines.json by default).
+
+    python bench/structured_engines.py artifacts/pycode-llama-6m/1.0.0 [--repeat 20] [--engine-steps] [--out FILE]
 """
 
 from __future__ import annotations
@@ -188,11 +196,55 @@ def _stats(compile_t: list[float], matcher_t: list[float], mask_t: list[float], 
     }
 
 
+def bench_engine_steps(artifact: Path, seqs: int, steps: int) -> dict:
+    from runtime.engine import LLMEngine
+    from runtime.sampling import SamplingParams
+    from runtime.structured import StructuredOutput
+
+    schema = StructuredOutput.json_schema(SCHEMA)
+    out = {}
+    for label, constrained, overlap in (("free", 0, True), ("half", seqs // 2, True), ("all", seqs, True),
+                                        ("all-sync", seqs, False)):
+        engine = LLMEngine(artifact, max_num_seqs=seqs, threads=1, overlap_masks=overlap)
+        engine.grammars.compile(schema)
+        for i in range(seqs):
+            spec = schema if i < constrained else None
+            # ignore_eos and a long max_tokens keep the free rows decoding; the constrained ones end with
+            # their grammar (~60 tokens) and are replaced so that the batch stays full
+            engine.add_request(f"{label}-{i}", "def main():\n", SamplingParams(
+                max_tokens=10_000, temperature=1.0, seed=i, ignore_eos=spec is None, structured=spec))
+        added = seqs
+        times: list[float] = []
+        for k in range(16 + steps):
+            g0, w0 = engine.grammars.stats["mask_s"], engine.stats["mask_wait_s"]
+            t0 = time.perf_counter()
+            outs = engine.step()
+            dt = time.perf_counter() - t0
+            if k >= 16:
+                times.append(dt)
+                out.setdefault(label, {"mask": [], "wait": []})
+                out[label]["mask"].append(engine.grammars.stats["mask_s"] - g0)
+                out[label]["wait"].append(engine.stats["mask_wait_s"] - w0)
+            for o in outs:
+                if o.finished:
+                    engine.add_request(f"{label}-{added}", "def main():\n", SamplingParams(
+                        max_tokens=10_000, temperature=1.0, seed=added, structured=schema))
+                    added += 1
+        r = out.setdefault(label, {"mask": [0.0], "wait": [0.0]})
+        out[label] = {"constrained": constrained, "step_median_ms": _ms(statistics.median(times)),
+                      "mask_median_ms": _ms(statistics.median(r["mask"])),
+                      "wait_median_ms": _ms(statistics.median(r["wait"])), "wait_max_ms": _ms(max(r["wait"]))}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("artifact", type=Path)
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--engines", default="xgrammar,llguidance")
+    ap.add_argument("--engine-steps", action="store_true", help="also time LLMEngine steps with masks")
+    ap.add_argument("--seqs", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "structured_engines.json")
     args = ap.parse_args()
     from tokenizers import Tokenizer
@@ -219,6 +271,13 @@ def main() -> None:
         for name, c in r["cases"].items():
             print(f"{engine:<11} {name:<12} {c['compile_ms']:>9.3f} {c['matcher_ms']:>8.3f} "
                   f"{c['mask_median_ms']:>9.4f} {c['mask_p99_ms']:>9.4f} {c['consume_median_ms']:>8.4f}")
+    if args.engine_steps:
+        result["engine_steps"] = bench_engine_steps(args.artifact, args.seqs, args.steps)
+        print(f"LLMEngine, {args.seqs} sequences decoding, medians over {args.steps} steps (ms)")
+        print(f"{'rows':<9} {'constrained':>11} {'step':>8} {'masks':>8} {'wait':>8} {'wait max':>9}")
+        for label, r in result["engine_steps"].items():
+            print(f"{label:<9} {r['constrained']:>11} {r['step_median_ms']:>8.3f} {r['mask_median_ms']:>8.3f} "
+                  f"{r['wait_median_ms']:>8.3f} {r['wait_max_ms']:>9.3f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n", "utf-8")
 

@@ -13,6 +13,7 @@ import hashlib
 import itertools
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -198,7 +199,12 @@ class LLMEngine:
         enable_prefix_caching: bool = True,
         device: str | None = None,
         graphs: str | None = None,
+        overlap_masks: bool | None = None,
     ) -> None:
+        """`overlap_masks`: compute structured output's token masks on a worker thread during the forward
+        (default; OPTIMIZE_MASK_OVERLAP=0 turns it off) rather than before it on the engine thread."""
+        self.overlap_masks = overlap_masks if overlap_masks is not None else \
+            os.environ.get("OPTIMIZE_MASK_OVERLAP", "1").strip() != "0"
         self.artifact = artifact if isinstance(artifact, Artifact) else Artifact.open(artifact, verify=verify)
         cfg = self.artifact.check_runtime(num_blocks=num_blocks, max_model_len=max_model_len, device=device)
         try:
@@ -232,7 +238,8 @@ class LLMEngine:
         self._requests: dict[str, _Request] = {}
         self._by_seq: dict[int, _Request] = {}
         self._seq_ids = itertools.count()
-        self.stats = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "prefill_tokens": 0, "decode_tokens": 0}
+        self.stats: dict[str, Any] = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "prefill_tokens": 0,
+                                      "decode_tokens": 0, "mask_wait_s": 0.0}
         log.info("engine ready: %s %s, core=%s", self.artifact.name, self.artifact.version, CORE_IMPL)
 
     @property
@@ -326,13 +333,20 @@ class LLMEngine:
         reqs = [self._by_seq[e.seq_id] for e in sampled_entries]
         guided = [(r.grammar, k) for k, r in enumerate(reqs) if r.grammar is not None]
         masks = self._mask_rows(len(reqs)) if guided else None
-        # the constrained rows' masks are computed on the grammar worker while the model runs
-        job = self.grammars.start_masks(guided, masks) if guided else None  # type: ignore[arg-type]
+        job = None
+        if guided and self.overlap_masks:  # the constrained rows' masks on the grammar worker while the model runs
+            job = self.grammars.start_masks(guided, masks)  # type: ignore[arg-type]
+        elif guided:  # or here, before it
+            waited = time.perf_counter()
+            self.grammars.fill_masks(guided, masks)  # type: ignore[arg-type]
+            self.stats["mask_wait_s"] += time.perf_counter() - waited
         try:
             logits = self.backend.forward(fb)
         finally:
             if job is not None:
+                waited = time.perf_counter()
                 job.result()
+                self.stats["mask_wait_s"] += time.perf_counter() - waited  # masks slower than the forward
         now = time.perf_counter()
         base = len(fb.logits_index) - len(scored)
         prompt_rows, logits = logits[base:], logits[:base]

@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,7 +143,7 @@ class Grammars:
         self._executor: Any = None
         self._cache: collections.OrderedDict[StructuredOutput, Any] = collections.OrderedDict()
         self._worker: concurrent.futures.ThreadPoolExecutor | None = None
-        self.stats = {"compiled": 0, "hits": 0}
+        self.stats: dict[str, float] = {"compiled": 0, "hits": 0, "mask_s": 0.0, "mask_rows": 0}
 
     def _tok(self) -> Any:
         with self._lock:
@@ -195,7 +196,10 @@ class Grammars:
         if not all(0 <= row < masks.shape[0] for _, row in rows):
             raise ValueError("fill_masks: a row outside the masks buffer")
         self._tok()
+        started = time.perf_counter()
         self._executor.unsafe_compute_mask_ptr(list(rows), masks.ctypes.data, masks.shape[1] * 4, masks.shape[0])
+        self.stats["mask_s"] += time.perf_counter() - started
+        self.stats["mask_rows"] += len(rows)
 
     def start_masks(self, rows: Sequence[tuple[Any, int]], masks: np.ndarray) -> concurrent.futures.Future[None]:
         """`fill_masks` on the worker thread; the caller runs the forward meanwhile, then waits."""
