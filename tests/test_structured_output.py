@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -115,6 +116,20 @@ def test_compiled_grammars_are_cached_lru(demo_artifact: Path) -> None:
         g.compile(StructuredOutput("regex", "(unclosed"))
     with pytest.raises(StructuredOutputError, match="invalid JSON schema"):
         g.compile(StructuredOutput.json_schema({"type": "object", "properties": {"a": {"type": "strin"}}}))
+
+
+def test_structured_output_imports_no_torch(demo_artifact: Path) -> None:
+    """The grammar engine is part of the thin runtime: a constrained request imports neither torch nor
+    transformers (xgrammar would: docs/architecture.md, "Structured output")."""
+    code = (f"import json, sys\nfrom runtime import LLM, SamplingParams, StructuredOutput\n"
+            f"out = LLM({str(demo_artifact)!r}).generate(['x = '], SamplingParams(max_tokens=30, "
+            f"structured=StructuredOutput('regex', '[0-9]{{3}}')))[0]\n"
+            "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'compiler'))\n"
+            "print(json.dumps([heavy, out.text, out.finish_reason]))\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    heavy, text, reason = json.loads(res.stdout.strip().splitlines()[-1])
+    assert heavy == [] and re.fullmatch("[0-9]{3}", text) and reason == "stop"
 
 
 def test_missing_llguidance_names_the_install(demo_artifact: Path, monkeypatch: pytest.MonkeyPatch) -> None:
