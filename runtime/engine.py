@@ -235,6 +235,7 @@ class LLMEngine:
         self._grammars: Grammars | None = None
         self._grammars_lock = threading.Lock()
         self._masks = np.full((0, mask_words(self.vocab_size)), -1, np.int32)  # grown on demand; rows all ones
+        self._dirty_masks: list[int] = []  # rows of _masks written by the last constrained step
         self._requests: dict[str, _Request] = {}
         self._by_seq: dict[int, _Request] = {}
         self._seq_ids = itertools.count()
@@ -332,7 +333,7 @@ class LLMEngine:
         sampled_entries = [e for e in batch.entries if e.needs_logits]
         reqs = [self._by_seq[e.seq_id] for e in sampled_entries]
         guided = [(r.grammar, k) for k, r in enumerate(reqs) if r.grammar is not None]
-        masks = self._mask_rows(len(reqs)) if guided else None
+        masks = self._mask_rows(len(reqs), [k for _, k in guided]) if guided else None
         job = None
         if guided and self.overlap_masks:  # the constrained rows' masks on the grammar worker while the model runs
             job = self.grammars.start_masks(guided, masks)  # type: ignore[arg-type]
@@ -361,11 +362,7 @@ class LLMEngine:
                 r.metrics.num_cached_tokens = e.start  # computed before its first step: prefix-cache hits
             decode = e.num_tokens == 1 and e.start >= len(r.prompt_ids)
             self.stats["decode_tokens" if decode else "prefill_tokens"] += e.num_tokens
-        try:
-            tokens = self._sample(logits, reqs, masks) if reqs else []
-        finally:
-            if masks is not None:  # back to all ones for the next step
-                masks[[k for _, k in guided]] = -1
+        tokens = self._sample(logits, reqs, masks) if reqs else []
         self.scheduler.update(batch, {e.seq_id: int(t) for e, t in zip(sampled_entries, tokens, strict=True)})
         self.stats["steps"] += 1
         outputs = []
@@ -389,10 +386,14 @@ class LLMEngine:
             rows.extend((off + pos, r, pos) for pos in range(e.start, last))
         return rows
 
-    def _mask_rows(self, n: int) -> np.ndarray:
-        """The first n rows of the step's token-mask buffer (every row all ones between steps)."""
+    def _mask_rows(self, n: int, constrained: list[int]) -> np.ndarray:
+        """The first n rows of the token-mask buffer, all ones but for the `constrained` rows about to be
+        written (the rows the previous step wrote go back to all ones here: O(constrained rows))."""
         if self._masks.shape[0] < n:
             self._masks = np.full((max(n, 2 * self._masks.shape[0]), self._masks.shape[1]), -1, np.int32)
+        else:
+            self._masks[self._dirty_masks] = -1
+        self._dirty_masks = constrained
         return self._masks[:n]
 
     def _sample(self, logits: np.ndarray, reqs: list[_Request], masks: np.ndarray | None = None) -> Sequence[int]:
