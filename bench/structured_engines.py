@@ -11,7 +11,8 @@ For each engine, on the artifact's tokenizer (tokenizer/tokenizer.json, offline)
    token into an int32 bitmask row (the sampler's format), then the token is consumed; median and p99
    over every step of --repeat walks, and the consume time.
 
-Both engines compact JSON (no free whitespace) so they constrain the same language.
+Both engines compact JSON (no free whitespace) so they constrain the same language. xgrammar is not a
+dependency of the project (it imports torch and transformers): `pip install xgrammar==0.2.8` to compare.
 
 4. with --engine-steps: the chosen engine inside LLMEngine on the artifact: --seqs requests decoding
    together (16 steps of warm-up, then --steps steps), all free, half constrained by the JSON schema, all
@@ -259,6 +260,12 @@ def main() -> None:
               "machine": platform.processor() or platform.machine(), "engines": {}}
     for engine in args.engines.split(","):
         fn = {"xgrammar": bench_xgrammar, "llguidance": bench_llguidance}[engine]
+        try:
+            __import__(engine)
+        except ImportError:  # xgrammar is not a dependency of the project (it needs torch and transformers)
+            print(f"{engine} is not installed (pip install {engine}; the numbers in docs/architecture.md: "
+                  f"{'xgrammar==0.2.8' if engine == 'xgrammar' else 'llguidance==1.9.1'}): skipped")
+            continue
         result["engines"][engine] = fn(tok_dir, vocab, eos, texts, args.repeat)
         import importlib.metadata as md
 
