@@ -101,8 +101,7 @@ class StructuredOutput:
 
     def grammar(self) -> str:
         """llguidance's grammar text for this constraint."""
-        import llguidance
-
+        llguidance = _llguidance()
         try:
             if self.kind == "json":
                 return llguidance.LLMatcher.grammar_from_json_schema(self.value, overrides=JSON_OPTIONS)
