@@ -7,11 +7,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutput"]
 
 if TYPE_CHECKING:  # pragma: no cover
     from runtime.engine import LLM
     from runtime.sampling import SamplingParams
+    from runtime.structured import StructuredOutput
 
 
 def __getattr__(name: str) -> Any:
@@ -24,4 +25,8 @@ def __getattr__(name: str) -> Any:
         from runtime.sampling import SamplingParams
 
         return SamplingParams
+    if name == "StructuredOutput":
+        from runtime.structured import StructuredOutput
+
+        return StructuredOutput
     raise AttributeError(name)

@@ -1,7 +1,8 @@
 """Request lifecycle: queue -> prefill (chunked) -> decode -> finish/abort, on one artifact.
 
-`LLMEngine.step()` is the whole loop: schedule, pack, run the model, sample, then apply stop
-conditions. The scheduler (runtime/core) owns the KV blocks; the backend sees only ForwardBatches.
+`LLMEngine.step()` is the whole loop: schedule, pack, run the model (while the token masks of
+grammar-constrained requests are computed on a worker thread: runtime/structured.py), sample, then
+apply stop conditions. The scheduler (runtime/core) owns the KV blocks; the backend sees only ForwardBatches.
 `LLM` is the offline API: `LLM(artifact).generate(prompts, SamplingParams(...))`.
 """
 
@@ -12,6 +13,8 @@ import hashlib
 import itertools
 import json
 import logging
+import os
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -23,6 +26,7 @@ import numpy as np
 from runtime.artifact import Artifact, ArtifactError
 from runtime.core import CORE_IMPL, RNG, Scheduler, SchedulerConfig
 from runtime.sampling import Sampler, SamplingParams, make_generator
+from runtime.structured import Grammars, mask_words
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +113,7 @@ class _Request:
     num_prompt_logprobs: int | None = None  # None: none; N: each prompt token's logprob + top N
     prompt_logprobs: list[TokenLogprob | None] | None = None  # filled chunk by chunk during the prefill
     stop_logprob: TokenLogprob | None = None  # the logprob of the EOS / stop token that ended it
+    grammar: Any = None  # params.structured's matcher (llguidance LLMatcher): the tokens so far consumed
 
 
 def load_tokenizer(folder: Path) -> Any:
@@ -194,7 +199,12 @@ class LLMEngine:
         enable_prefix_caching: bool = True,
         device: str | None = None,
         graphs: str | None = None,
+        overlap_masks: bool | None = None,
     ) -> None:
+        """`overlap_masks`: compute structured output's token masks on a worker thread during the forward
+        (default; OPTIMIZE_MASK_OVERLAP=0 turns it off) rather than before it on the engine thread."""
+        self.overlap_masks = overlap_masks if overlap_masks is not None else \
+            os.environ.get("OPTIMIZE_MASK_OVERLAP", "1").strip() != "0"
         self.artifact = artifact if isinstance(artifact, Artifact) else Artifact.open(artifact, verify=verify)
         cfg = self.artifact.check_runtime(num_blocks=num_blocks, max_model_len=max_model_len, device=device)
         try:
@@ -222,11 +232,27 @@ class LLMEngine:
         model = cfg["model"]
         self.vocab_size = int(model["vocab_size"])
         self.eos_token_ids = set(model.get("eos_token_ids") or [])
+        self._grammars: Grammars | None = None
+        self._grammars_lock = threading.Lock()
+        self._masks = np.full((0, mask_words(self.vocab_size)), -1, np.int32)  # grown on demand; rows all ones
+        self._dirty_masks: list[int] = []  # rows of _masks written by the last constrained step
         self._requests: dict[str, _Request] = {}
         self._by_seq: dict[int, _Request] = {}
         self._seq_ids = itertools.count()
-        self.stats = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "prefill_tokens": 0, "decode_tokens": 0}
+        self.stats: dict[str, Any] = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "prefill_tokens": 0,
+                                      "decode_tokens": 0, "mask_wait_s": 0.0}
         log.info("engine ready: %s %s, core=%s", self.artifact.name, self.artifact.version, CORE_IMPL)
+
+    @property
+    def grammars(self) -> Grammars:
+        """The grammar engine of structured output (runtime/structured.py), created on first use; the server
+        compiles requests' constraints through it before admitting them."""
+        if self._grammars is None:
+            with self._grammars_lock:
+                if self._grammars is None:
+                    self._grammars = Grammars(self.artifact.tokenizer_dir / "tokenizer.json", self.vocab_size,
+                                              sorted(self.eos_token_ids))
+        return self._grammars
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -260,10 +286,11 @@ class LLMEngine:
             raise ValueError(f"the prompt has {len(ids)} tokens; this artifact serves at most {limit} "
                              "tokens per sequence (prompt + output), so at most "
                              f"{limit - 1} prompt tokens")
+        grammar = None if params.structured is None else self.grammars.matcher(params.structured)
         seq_id = next(self._seq_ids)
         req = _Request(request_id, seq_id, ids, params, make_generator(params.seed),
                        RequestMetrics(arrival=time.perf_counter() if arrival is None else arrival),
-                       num_logprobs=logprobs, num_prompt_logprobs=prompt_logprobs)
+                       num_logprobs=logprobs, num_prompt_logprobs=prompt_logprobs, grammar=grammar)
         if prompt_logprobs is not None:
             req.prompt_logprobs = [None] * len(ids)
             # a root of its own: no block of another request matches, none of its blocks is shared
@@ -303,7 +330,24 @@ class LLMEngine:
         scored = self._prompt_rows(batch, fb)
         if scored:  # rows of prompt positions after the sampling rows, whose order is unchanged
             fb.logits_index = np.concatenate([fb.logits_index, np.asarray([row for row, _, _ in scored], np.int64)])
-        logits = self.backend.forward(fb)
+        sampled_entries = [e for e in batch.entries if e.needs_logits]
+        reqs = [self._by_seq[e.seq_id] for e in sampled_entries]
+        guided = [(r.grammar, k) for k, r in enumerate(reqs) if r.grammar is not None]
+        masks = self._mask_rows(len(reqs), [k for _, k in guided]) if guided else None
+        job = None
+        if guided and self.overlap_masks:  # the constrained rows' masks on the grammar worker while the model runs
+            job = self.grammars.start_masks(guided, masks)  # type: ignore[arg-type]
+        elif guided:  # or here, before it
+            waited = time.perf_counter()
+            self.grammars.fill_masks(guided, masks)  # type: ignore[arg-type]
+            self.stats["mask_wait_s"] += time.perf_counter() - waited
+        try:
+            logits = self.backend.forward(fb)
+        finally:
+            if job is not None:
+                waited = time.perf_counter()
+                job.result()
+                self.stats["mask_wait_s"] += time.perf_counter() - waited  # masks slower than the forward
         now = time.perf_counter()
         base = len(fb.logits_index) - len(scored)
         prompt_rows, logits = logits[base:], logits[:base]
@@ -311,8 +355,6 @@ class LLMEngine:
             assert r.prompt_logprobs is not None and r.num_prompt_logprobs is not None
             r.prompt_logprobs[pos + 1] = _token_logprob(prompt_rows[k], r.prompt_ids[pos + 1],
                                                         r.num_prompt_logprobs)
-        sampled_entries = [e for e in batch.entries if e.needs_logits]
-        reqs = [self._by_seq[e.seq_id] for e in sampled_entries]
         for e in batch.entries:
             r = self._by_seq[e.seq_id]
             if r.metrics.first_scheduled is None:
@@ -320,13 +362,13 @@ class LLMEngine:
                 r.metrics.num_cached_tokens = e.start  # computed before its first step: prefix-cache hits
             decode = e.num_tokens == 1 and e.start >= len(r.prompt_ids)
             self.stats["decode_tokens" if decode else "prefill_tokens"] += e.num_tokens
-        tokens = self._sample(logits, reqs) if reqs else []
+        tokens = self._sample(logits, reqs, masks) if reqs else []
         self.scheduler.update(batch, {e.seq_id: int(t) for e, t in zip(sampled_entries, tokens, strict=True)})
         self.stats["steps"] += 1
         outputs = []
         for i, (r, tok) in enumerate(zip(reqs, tokens, strict=True)):
             lp = None if r.num_logprobs is None else _token_logprob(logits[i], int(tok), r.num_logprobs)
-            out = self._append(r, int(tok), now, lp)
+            out = self._append(r, int(tok), now, lp, self._advance_grammar(r, int(tok)))
             if out is not None:
                 outputs.append(out)
         return outputs
@@ -344,22 +386,45 @@ class LLMEngine:
             rows.extend((off + pos, r, pos) for pos in range(e.start, last))
         return rows
 
-    def _sample(self, logits: np.ndarray, reqs: list[_Request]) -> Sequence[int]:
+    def _mask_rows(self, n: int, constrained: list[int]) -> np.ndarray:
+        """The first n rows of the token-mask buffer, all ones but for the `constrained` rows about to be
+        written (the rows the previous step wrote go back to all ones here: O(constrained rows))."""
+        if self._masks.shape[0] < n:
+            self._masks = np.full((max(n, 2 * self._masks.shape[0]), self._masks.shape[1]), -1, np.int32)
+        else:
+            self._masks[self._dirty_masks] = -1
+        self._dirty_masks = constrained
+        return self._masks[:n]
+
+    def _sample(self, logits: np.ndarray, reqs: list[_Request], masks: np.ndarray | None = None) -> Sequence[int]:
         """Next token of each request; token histories are passed only when a penalty needs them."""
         params = [r.params for r in reqs]
         gens = [r.generator for r in reqs]
         if any(p.has_penalties for p in params):
             return self.sampler.sample(logits, params, gens, prompt_ids=[r.prompt_ids for r in reqs],
-                                       output_ids=[r.output_ids for r in reqs])
-        return self.sampler.sample(logits, params, gens)
+                                       output_ids=[r.output_ids for r in reqs], masks=masks)
+        return self.sampler.sample(logits, params, gens, masks=masks)
 
-    def _append(self, r: _Request, tok: int, now: float, lp: TokenLogprob | None = None) -> RequestOutput | None:
+    @staticmethod
+    def _advance_grammar(r: _Request, tok: int) -> bool:
+        """Feed the sampled token to the request's matcher; True when the grammar is complete (it takes
+        nothing more but EOS), which ends the request."""
+        if r.grammar is None:
+            return False
+        if not r.grammar.consume_token(tok):  # the mask allowed it, so only a broken grammar state gets here
+            log.error("request %s: the grammar refused token %d: %s", r.request_id, tok, r.grammar.get_error())
+            return True
+        return bool(r.grammar.is_stopped())
+
+    def _append(self, r: _Request, tok: int, now: float, lp: TokenLogprob | None = None,
+                grammar_done: bool = False) -> RequestOutput | None:
         r.status = RequestStatus.RUNNING
         if r.metrics.first_token is None:
             r.metrics.first_token = now
         p = r.params
         self.stats["generation_tokens"] += 1
-        if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+        # a constrained request's EOS always ends it: its mask allows EOS only where the grammar is complete
+        if (tok in self.eos_token_ids and (not p.ignore_eos or r.grammar is not None)) or tok in p.stop_token_ids:
             r.status = RequestStatus.FINISHED_STOPPED
             r.stop_logprob = lp
         else:
@@ -373,7 +438,9 @@ class LLMEngine:
                     r.text = r.text[:hit]
                     r.status = RequestStatus.FINISHED_STOPPED
             if not r.status.finished:
-                if len(r.output_ids) >= p.max_tokens:
+                if grammar_done:
+                    r.status = RequestStatus.FINISHED_STOPPED
+                elif len(r.output_ids) >= p.max_tokens:
                     r.status = RequestStatus.FINISHED_LENGTH
                 elif len(r.prompt_ids) + len(r.output_ids) >= self.scheduler_config.max_model_len:
                     r.status = RequestStatus.FINISHED_LENGTH

@@ -6,6 +6,8 @@ seed (see the recipe at "Sampling" in runtime/core/reference.py). Per row:
 
 - penalties on the logits of tokens already seen (repetition: prompt + output, HF/vLLM style;
   presence and frequency: output only, OpenAI style), when the caller passes the histories;
+- a token mask (structured output, runtime/structured.py): a packed int32 bitmask row, bit i = token i
+  allowed; disallowed tokens get -inf after the penalties and before everything below;
 - greedy (temperature 0): argmax, first maximum on ties; the row's generator is not touched;
 - otherwise temperature, then top-k, top-p and min-p on float64 weights, at least one token kept,
   and one draw from the request's own generator (`make_generator(seed)`: xoshiro256**, so a
@@ -28,6 +30,7 @@ from typing import Literal, overload
 import numpy as np
 
 from runtime.core.reference import RNG, make_rng
+from runtime.structured import StructuredOutput
 
 __all__ = ["RNG", "SamplingParams", "Sampler", "TokenLogprobs", "make_generator"]
 
@@ -57,6 +60,8 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # stop strings (the engine applies them after detokenizing)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # a grammar the output must match (runtime/structured.py); the request ends when the grammar is complete
+    structured: StructuredOutput | None = None
 
     @property
     def greedy(self) -> bool:
@@ -96,6 +101,10 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a list of token ids >= 0, got {self.stop_token_ids!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.structured is not None:
+            if not isinstance(self.structured, StructuredOutput):
+                raise ValueError(f"structured must be None or a StructuredOutput, got {self.structured!r}")
+            self.structured.validate()
 
 
 @dataclass
@@ -152,35 +161,40 @@ class Sampler:
         self.impl = impl
 
     def probs(self, logits: np.ndarray, params: SamplingParams, *, prompt_ids: Sequence[int] | None = None,
-              output_ids: Sequence[int] | None = None) -> np.ndarray:
-        """The distribution one row is drawn from (float64 [vocab]), after penalties, temperature,
-        top-k, top-p and min-p. Greedy rows get a one-hot distribution on the argmax."""
+              output_ids: Sequence[int] | None = None, mask: np.ndarray | None = None) -> np.ndarray:
+        """The distribution one row is drawn from (float64 [vocab]), after penalties, the token mask
+        (int32 [ceil(vocab / 32)], or None), temperature, top-k, top-p and min-p. Greedy rows get a
+        one-hot distribution on the argmax."""
         row = _as_logits(logits, 1)
         if row.size == 0:
             raise ValueError("logits row: expected a non-empty 1-D array, got shape [0]")
         out = np.empty(row.shape[0], np.float64)
-        self._probs(row, params, prompt_ids, output_ids, out)  # type: ignore[operator]
+        self._probs(row, params, prompt_ids, output_ids, out, mask)  # type: ignore[operator]
         return out
 
     @overload
     def sample(self, logits: np.ndarray, params: Sequence[SamplingParams], generators: Sequence[RNG | None], *,
                prompt_ids: Sequence[Sequence[int] | None] | None = ...,
                output_ids: Sequence[Sequence[int] | None] | None = ...,
+               masks: np.ndarray | None = ...,
                logprobs: Literal[False] = ...) -> np.ndarray: ...
 
     @overload
     def sample(self, logits: np.ndarray, params: Sequence[SamplingParams], generators: Sequence[RNG | None], *,
                prompt_ids: Sequence[Sequence[int] | None] | None = ...,
                output_ids: Sequence[Sequence[int] | None] | None = ...,
+               masks: np.ndarray | None = ...,
                logprobs: Literal[True]) -> tuple[np.ndarray, list[TokenLogprobs | None]]: ...
 
-    def sample(self, logits, params, generators, *, prompt_ids=None, output_ids=None, logprobs=False):
+    def sample(self, logits, params, generators, *, prompt_ids=None, output_ids=None, masks=None, logprobs=False):
         """Next token of each row (int64 [B]). Greedy rows do not touch their generator.
 
         prompt_ids / output_ids: per row, the request's prompt and generated token ids (None for a
         row without penalties); rows with penalties need both. With `logprobs=True` the result is
         (tokens, [TokenLogprobs or None per row]), filled for rows whose params.logprobs is set.
-        On error (bad input, NaN logits) no generator has advanced.
+        masks: None, or int32 [B, ceil(vocab / 32)]: per row a packed token mask (bit i % 32 of word
+        i // 32 = token i allowed; a row of all ones (-1 words) constrains nothing).
+        On error (bad input, NaN logits, a mask that leaves no finite logit) no generator has advanced.
         """
         arr = _as_logits(logits, 2)
         b = arr.shape[0]
@@ -192,7 +206,7 @@ class Sampler:
         if logprobs:
             width = max((p.logprobs for p in params if p.logprobs is not None), default=0)
             lp = (np.zeros(b), np.zeros((b, width), np.int64), np.zeros((b, width)))
-        self._sample(arr, params, generators, prompt_ids, output_ids, out, lp)  # type: ignore[operator]
+        self._sample(arr, params, generators, prompt_ids, output_ids, out, lp, masks)  # type: ignore[operator]
         if not logprobs:
             return out
         result: list[TokenLogprobs | None] = []

@@ -21,8 +21,16 @@ extensions prompt_logprobs (0..20, not streamed), ignore_eos, stop_token_ids and
 share prefix-cache blocks only with the same salt). Logprobs are log_softmax of the model's raw logits
 (before temperature/top-k/top-p). presence_penalty, frequency_penalty, repetition_penalty and min_p go
 to the sampler where this runtime's SamplingParams has them (else 400 unless neutral); logit_bias,
-suffix, tools, non-text response_format and chat's best_of are refused (400) unless neutral; other
-unknown fields are ignored. completions default to 16 tokens; chat defaults to the rest of the context.
+suffix, tools and chat's best_of are refused (400) unless neutral; other unknown fields are ignored.
+completions default to 16 tokens; chat defaults to the rest of the context.
+
+Structured output (both endpoints; runtime/structured.py): response_format {"type": "json_object"} or
+{"type": "json_schema", "json_schema": {"schema": {...}}}, vLLM's guided_json, guided_regex,
+guided_choice and guided_grammar (Lark or GBNF), or vLLM's structured_outputs {json, regex, choice,
+grammar, json_object}; one constraint per request. It is compiled (cached per constraint) before the
+request is admitted: an invalid schema, regex or grammar is a 400 naming the field. The output is
+sampled under the grammar's token mask and ends ("stop") when the grammar is complete; max_tokens can
+still cut it short ("length"). JSON comes out compact (no whitespace between tokens).
 
 Several choices (prompts x n): one engine request per sample, run together; choice index = prompt index
 x n + sample. With a seed, sample j > 0 samples with seed_for(seed, j), so sample 0 is what a request
@@ -95,6 +103,7 @@ from runtime.async_engine import (
 from runtime.engine import RequestOutput, TokenLogprob
 from runtime.metrics import CONTENT_TYPE, ServingMetrics
 from runtime.sampling import SamplingParams
+from runtime.structured import StructuredOutput, StructuredOutputError
 
 log = logging.getLogger(__name__)
 
@@ -335,6 +344,74 @@ def _refuse_unsupported(body: dict[str, Any], supported: tuple[str, ...] = ()) -
     for name, ok in neutral.items():
         if name in body and name not in supported and not ok(body[name]):
             raise _invalid(f"{name} is not supported by this server", name, "unsupported_parameter")
+
+
+_VLLM_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                "guided_grammar": "grammar"}
+
+
+def _constraint(kind: str, value: Any, param: str) -> StructuredOutput:
+    """One constraint from a request field; 400 naming `param` when its shape is wrong."""
+    try:
+        if kind == "json":
+            if not isinstance(value, dict | str):
+                raise StructuredOutputError("a JSON schema must be a JSON object (or its JSON text)")
+            return StructuredOutput.json_schema(value)
+        if kind == "choice":
+            return StructuredOutput.choice(value)
+        if kind in ("regex", "grammar"):
+            if not isinstance(value, str) or not value:
+                raise StructuredOutputError(f"the {kind} must be a non-empty string")
+            _text(value, param)
+        spec = StructuredOutput(kind, value if isinstance(value, str) else "")
+        spec.validate()
+        return spec
+    except StructuredOutputError as exc:
+        raise _invalid(f"{param}: {exc}", param) from None
+
+
+def _structured(body: dict[str, Any]) -> tuple[StructuredOutput, str] | None:
+    """The request's output constraint and the field it came from: OpenAI's response_format
+    (json_object, json_schema), vLLM's guided_json / guided_regex / guided_choice / guided_grammar, or
+    vLLM's structured_outputs {json, regex, choice, grammar, json_object}; at most one of them."""
+    found: list[tuple[StructuredOutput, str]] = []
+    rf = body.get("response_format")
+    if rf is not None:
+        if not isinstance(rf, dict):
+            raise _invalid("response_format must be an object", "response_format", "invalid_type")
+        kind = rf.get("type")
+        if kind == "json_object":
+            found.append((StructuredOutput("json_object"), "response_format"))
+        elif kind == "json_schema":
+            js = rf.get("json_schema")
+            schema = js.get("schema") if isinstance(js, dict) else None
+            if not isinstance(schema, dict):
+                raise _invalid("response_format json_schema needs json_schema.schema, a JSON schema object",
+                               "response_format")
+            found.append((_constraint("json", schema, "response_format"), "response_format"))
+        elif kind not in (None, "text"):
+            raise _invalid(f"response_format type {_show(kind)} is not supported (have: text, json_object, "
+                           "json_schema)", "response_format", "unsupported_parameter")
+    for name, kind in _VLLM_GUIDED.items():
+        if body.get(name) is not None:
+            found.append((_constraint(kind, body[name], name), name))
+    so = body.get("structured_outputs")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise _invalid("structured_outputs must be an object", "structured_outputs", "invalid_type")
+        for key in ("json", "regex", "choice", "grammar"):
+            if so.get(key) is not None:
+                found.append((_constraint(key, so[key], f"structured_outputs.{key}"), "structured_outputs"))
+        if so.get("json_object"):
+            found.append((StructuredOutput("json_object"), "structured_outputs"))
+        if so.get("structural_tag"):
+            raise _invalid("structured_outputs.structural_tag is not supported", "structured_outputs",
+                           "unsupported_parameter")
+    if len(found) > 1:
+        raise _invalid("give at most one output constraint (response_format json_object/json_schema, guided_json, "
+                       f"guided_regex, guided_choice, guided_grammar, structured_outputs); got {len(found)}",
+                       found[1][1])
+    return found[0] if found else None
 
 
 # Sampling fields passed on when this runtime's SamplingParams has them: (neutral, min, max).
@@ -981,6 +1058,7 @@ class Server:
             if name not in _SAMPLING_FIELDS:
                 raise _invalid(f"{name} is not supported by this runtime", name, "unsupported_parameter")
             extra[name] = value
+        constraint = _structured(body)
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=_number(body, "temperature", 1.0, lo=0.0),
@@ -990,6 +1068,7 @@ class Server:
             stop=_stop(body, self.config.max_stop_strings, self.config.max_stop_chars),
             stop_token_ids=list(ids),
             ignore_eos=_bool(body, "ignore_eos", False),
+            structured=constraint[0] if constraint else None,
             **extra,
         )
         try:
@@ -1027,7 +1106,7 @@ class Server:
         return await asyncio.get_running_loop().run_in_executor(self._pool, codec.encode, text, add_special)
 
     async def _parse_completion(self, body: dict[str, Any], codec: TextCodec) -> _Parsed:
-        _refuse_unsupported(body, supported=("best_of",))
+        _refuse_unsupported(body, supported=("best_of", "response_format"))
         prompt = body.get("prompt", _MISSING)
         if prompt is _MISSING or prompt is None:
             raise _invalid("prompt is required", "prompt", "missing_field")
@@ -1093,7 +1172,7 @@ class Server:
         return ids
 
     async def _parse_chat(self, body: dict[str, Any], codec: TextCodec) -> _Parsed:
-        _refuse_unsupported(body)
+        _refuse_unsupported(body, supported=("response_format",))
         messages = _messages(body)
         if self.chat is None:  # set together with the codec at load
             raise APIError(ErrorKind.UNAVAILABLE, "the model is loading", code="not_ready", retry_after=1)
@@ -1117,6 +1196,15 @@ class Server:
         n = _int(body, "n", 1, lo=1, hi=MAX_N)
         return _Parsed(ids, params, stream, include_usage, (top or 0) if want else None, None, n=n, best_of=n,
                        continuous_usage=self._continuous_usage(body))
+
+    async def _compile(self, engine: AsyncEngine, spec: StructuredOutput, body: dict[str, Any]) -> None:
+        """Compile the request's constraint on the thread pool (cached per constraint, so the engine thread
+        only copies it): an invalid schema, regex or grammar is a 400 before anything is admitted."""
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._pool, engine.engine.grammars.compile, spec)
+        except StructuredOutputError as exc:
+            param = (_structured(body) or (spec, None))[1]
+            raise _invalid(str(exc), param, "invalid_structured_output") from None
 
     def _cache_salt(self, request: web.Request, body: dict[str, Any]) -> str | None:
         """The request's prefix-cache salt: the --cache-salt-header value and the body's cache_salt."""
@@ -1151,6 +1239,8 @@ class Server:
         engine, codec = self._admitting()
         body = await self._body(request)
         parsed = await (self._parse_chat(body, codec) if chat else self._parse_completion(body, codec))
+        if parsed.params.structured is not None:
+            await self._compile(engine, parsed.params.structured, body)
         salt = self._cache_salt(request, body)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         jobs = self._jobs(request, codec, parsed, rid, salt, arrival, chat)

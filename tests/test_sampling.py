@@ -1,4 +1,4 @@
-"""Tests of runtime.sampling: greedy, seeds, top-k, top-p, parameter validation."""
+"""Tests of runtime.sampling: greedy, seeds, top-k, top-p, token masks, parameter validation."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from runtime.sampling import Sampler, SamplingParams, make_generator
+from runtime.structured import mask_words
 
 SAMPLER = Sampler()
 
@@ -350,3 +351,111 @@ def test_sampler_errors_match_twin() -> None:
         for impl in (_core, reference):
             with pytest.raises(ValueError, match="tokens_out"):
                 impl.sample(good, gp, [make_generator(0)] * 2, None, None, bad_out)
+
+
+# --------------------------------------------------------------------------------------------
+# Token masks (structured output): C and the twin apply them the same, bit for bit
+# --------------------------------------------------------------------------------------------
+
+
+def _pack(allowed: np.ndarray) -> np.ndarray:
+    """bool [B, V] -> int32 [B, ceil(V / 32)] (bit i % 32 of word i // 32 = token i), written independently
+    of the samplers' unpacking."""
+    b, v = allowed.shape
+    words = np.zeros((b, mask_words(v)), np.uint32)
+    for i in range(b):
+        for t in np.flatnonzero(allowed[i]):
+            words[i, t // 32] |= np.uint32(1 << (t % 32))
+    return words.view(np.int32)
+
+
+@st.composite
+def masked_case(draw: st.DrawFn):
+    b = draw(st.integers(1, 4))
+    vocab = draw(st.sampled_from([1, 2, 31, 32, 33, 64, 300, 5000]))
+    dtype = draw(st.sampled_from([np.float32, np.float64]))
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    logits = (rng.normal(size=(b, vocab)) * draw(st.sampled_from([0.1, 1.0, 8.0]))).astype(dtype)
+    if draw(st.booleans()):  # ties and -inf logits
+        logits = np.round(logits).astype(dtype)
+        logits[rng.random(size=logits.shape) < 0.2] = -np.inf
+    allowed = np.zeros((b, vocab), bool)
+    params = []
+    for i in range(b):
+        kind = draw(st.sampled_from(["all", "dense", "sparse", "one"]))
+        if kind == "all":
+            allowed[i] = True
+        elif kind == "one":
+            allowed[i, draw(st.integers(0, vocab - 1))] = True
+        else:
+            allowed[i] = rng.random(vocab) < (0.9 if kind == "dense" else 0.02)
+        keep = draw(st.integers(0, vocab - 1))
+        allowed[i, keep] = True
+        logits[i, keep] = 0.0  # an allowed token with a finite logit
+        p = SamplingParams(
+            temperature=draw(st.sampled_from([0.0, 0.3, 1.0, 1.7])),
+            top_k=draw(st.sampled_from([0, 1, 2, 5, 1000])),
+            top_p=draw(st.sampled_from([1.0, 0.95, 0.5, 0.1])),
+            min_p=draw(st.sampled_from([0.0, 0.05, 0.5])),
+            repetition_penalty=draw(st.sampled_from([1.0, 1.3])),
+            frequency_penalty=draw(st.sampled_from([0.0, 0.25])),
+            logprobs=draw(st.sampled_from([None, 0, 3])),
+            seed=draw(st.integers(0, 2**70)),
+        )
+        p.logprobs = None if p.logprobs is None else min(p.logprobs, vocab)
+        params.append(p)
+    masks = _pack(allowed)
+    if draw(st.booleans()):  # bits past the vocabulary in the last word mean nothing
+        masks.view(np.uint32)[:, -1] |= np.uint32(~((1 << (vocab % 32)) - 1) & 0xFFFFFFFF if vocab % 32 else 0)
+    prompts = [rng.integers(0, vocab, 3).tolist() for _ in range(b)]
+    outputs = [rng.integers(0, vocab, 5).tolist() for _ in range(b)]
+    return logits, allowed, masks, params, prompts, outputs
+
+
+@settings(max_examples=300, deadline=None)
+@given(masked_case())
+def test_c_and_twin_apply_token_masks_bit_identically(case) -> None:
+    logits, allowed, masks, params, prompts, outputs = case
+    c_rngs = [make_generator(p.seed) for p in params]
+    p_rngs = [make_generator(p.seed) for p in params]
+    o_rngs = [make_generator(p.seed) for p in params]
+    # the oracle: a disallowed token is one whose logit is -inf (a mask is nothing more)
+    neg = np.where(allowed, logits, -np.inf).astype(logits.dtype)
+    kw = {"prompt_ids": prompts, "output_ids": outputs}
+    for _ in range(3):  # three steps: the RNG streams advance identically
+        tc, lc = Sampler("c").sample(logits, params, c_rngs, masks=masks, logprobs=True, **kw)
+        tp, lp = Sampler("python").sample(logits, params, p_rngs, masks=masks, logprobs=True, **kw)
+        np.testing.assert_array_equal(tc, tp)
+        assert lc == lp  # bit-identical floats; raw logits, so the mask does not change them
+        for a, b in zip(c_rngs, p_rngs, strict=True):
+            np.testing.assert_array_equal(a.state, b.state)
+        assert all(allowed[i, t] for i, t in enumerate(tc))
+        np.testing.assert_array_equal(Sampler("c").sample(neg, params, o_rngs, **kw), tc)
+    for i, p in enumerate(params):
+        pc = Sampler("c").probs(logits[i], p, prompt_ids=prompts[i], output_ids=outputs[i], mask=masks[i])
+        pp = Sampler("python").probs(logits[i], p, prompt_ids=prompts[i], output_ids=outputs[i], mask=masks[i])
+        assert pc.tobytes() == pp.tobytes()
+        assert not pc[~allowed[i]].any() and pc.sum() == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("impl", ["c", "python"])
+def test_mask_errors_are_the_same_in_c_and_twin(impl: str) -> None:
+    s = Sampler(impl)
+    x = np.zeros((2, 40), np.float32)
+    params, gens = [SamplingParams()] * 2, [make_generator(1), make_generator(2)]
+    with pytest.raises(TypeError, match="masks: expected int32 words"):
+        s.sample(x, params, gens, masks=np.full((2, 2), -1, np.int64))
+    with pytest.raises(ValueError, match=r"masks: expected shape \[rows of logits, 2 words"):
+        s.sample(x, params, gens, masks=np.full((2, 3), -1, np.int32))
+    none = np.full((2, 2), -1, np.int32)
+    none[1] = 0
+    before = [g.state.copy() for g in gens]
+    with pytest.raises(ValueError, match="logits row 1: its token mask allows no token with a finite logit"):
+        s.sample(x, params, gens, masks=none)
+    assert all((g.state == b).all() for g, b in zip(gens, before, strict=True))  # nothing advanced
+    inf = np.full((2, 2), -1, np.int32)
+    inf[0] = [1 << 3, 0]
+    x[0, 3] = -np.inf
+    with pytest.raises(ValueError, match="logits row 0: its token mask"):
+        s.sample(x, [SamplingParams(temperature=0.0)] * 2, [None, None], masks=inf)

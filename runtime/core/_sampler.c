@@ -17,7 +17,7 @@
  * ---------------------------------------------------------------------------------------
  * CONTRACT
  * ---------------------------------------------------------------------------------------
- * sample(logits, params, generators, prompt_ids, output_ids, tokens_out, logprobs_out=None) -> None
+ * sample(logits, params, generators, prompt_ids, output_ids, tokens_out, logprobs_out=None, masks=None) -> None
  *     logits        float32 or float64 buffer [B, V], C-contiguous, V >= 1
  *     params        sequence of B objects with temperature, top_k, top_p, min_p,
  *                   repetition_penalty, presence_penalty, frequency_penalty, logprobs
@@ -31,18 +31,27 @@
  *                   writable C-contiguous; filled for rows whose params.logprobs is not None
  *                   (which must be <= N and <= V); other rows are left as they were. Without it
  *                   params.logprobs is ignored.
+ *     masks         None, or an int32 buffer [B, ceil(V / 32)], C-contiguous: a packed token mask per
+ *                   row, bit i of the row (bit i % 32 of word i / 32) = token i allowed. A disallowed
+ *                   token's logit is -inf after the penalties and before greedy / temperature / top-k /
+ *                   top-p / min-p (the logprobs stay those of the raw logits); a row of all-ones words
+ *                   is unconstrained (the same result as no mask). A masked row whose allowed tokens all
+ *                   have -inf logits (or that allows none) is an error.
  *     Effect: per row, the twin's recipe; advances each non-greedy row's RNG state by one draw.
  *     Phases: (1) with the GIL, every argument and every row's params/RNG/histories are checked
  *     and copied; (2) without the GIL, the rows are computed into scratch memory; (3) with the
  *     GIL, RNG states and outputs are written. On any error (including NaN logits, or a row with
- *     no finite maximum, reported for the first such row) nothing was written.
- *     Errors: TypeError (not buffers/sequences, wrong element types, params without a field),
- *     ValueError (shapes, lengths, ranges, token ids outside the vocabulary, NaN, no finite
- *     maximum, penalties without histories, logprobs wider than logprobs_out), MemoryError.
+ *     no finite maximum or no allowed finite logit, reported for the first such row) nothing was
+ *     written.
+ *     Errors: TypeError (not buffers/sequences, wrong element types, params without a field, masks
+ *     not int32), ValueError (shapes, lengths, ranges, token ids outside the vocabulary, NaN, no
+ *     finite maximum, a mask that allows no finite logit, penalties without histories, logprobs
+ *     wider than logprobs_out), MemoryError.
  *
- * sample_probs(row, params, prompt_ids, output_ids, out) -> None
+ * sample_probs(row, params, prompt_ids, output_ids, out, mask=None) -> None
  *     row           float32/float64 buffer [V]; params one SamplingParams; prompt_ids/output_ids
- *                   None or one sequence of token ids each; out writable float64 [V]
+ *                   None or one sequence of token ids each; out writable float64 [V]; mask None or
+ *                   an int32 buffer [ceil(V / 32)] (a row of sample's masks)
  *     Effect: out = the distribution the row is drawn from (one-hot on the argmax when greedy).
  *     Errors: as sample; on error out is unchanged.
  * ---------------------------------------------------------------------------------------
@@ -394,6 +403,7 @@ typedef struct {
     int has_rng;
     uint64_t state[4];
     int64_t prompt_off, prompt_len, output_off, output_len; /* into the history scratch; len -1 = None */
+    const uint32_t *mask; /* the row's packed token mask, NULL when none (or all ones) */
 } row_t;
 
 typedef struct {
@@ -407,7 +417,7 @@ typedef struct {
     const int64_t *hist;
 } work_t;
 
-enum { ROW_OK = 0, ROW_NAN = 1, ROW_NOMAX = 2 };
+enum { ROW_OK = 0, ROW_NAN = 1, ROW_NOMAX = 2, ROW_MASKED = 3 };
 
 /* x = float64(row) / div (div 1: a plain conversion). */
 static void load_row(const char *base, int is_double, int64_t v, double div, double *x) {
@@ -476,11 +486,35 @@ static int64_t first_equal(const double *x, int64_t v, double m) {
     return 0;
 }
 
-/* Greedy: argmax of the (penalised) logits, first maximum on ties. */
+/* x[i] = -inf for every token i whose bit is clear in mask (words of 32 tokens, bit i % 32 of word i / 32). */
+static void apply_mask(double *x, const uint32_t *mask, int64_t v) {
+    for (int64_t w = 0; w * 32 < v; w++) {
+        const uint32_t bits = mask[w];
+        if (bits == 0xFFFFFFFFu) {
+            continue;
+        }
+        const int64_t n = v - w * 32 < 32 ? v - w * 32 : 32;
+        double *xw = x + w * 32;
+        for (int64_t j = 0; j < n; j++) {
+            xw[j] = (bits >> j) & 1u ? xw[j] : -INFINITY;
+        }
+    }
+}
+
+/* Whether every one of the row's n words is all ones (the row constrains nothing). */
+static int mask_all_ones(const uint32_t *mask, int64_t n) {
+    uint32_t acc = 0xFFFFFFFFu;
+    for (int64_t w = 0; w < n; w++) {
+        acc &= mask[w];
+    }
+    return acc == 0xFFFFFFFFu;
+}
+
+/* Greedy: argmax of the (penalised, masked) logits, first maximum on ties. */
 static int greedy_row(const row_t *r, work_t *w, const char *base, int is_double, int64_t *token) {
     const int64_t v = w->vocab;
     int nan;
-    if (!r->penalized && !is_double) { /* straight on the float32 row */
+    if (!r->penalized && !is_double && r->mask == NULL) { /* straight on the float32 row */
         const float *f = (const float *)base;
         const float m = lanes_max_f32(f, v, &nan);
         if (nan) {
@@ -498,6 +532,15 @@ static int greedy_row(const row_t *r, work_t *w, const char *base, int is_double
         apply_penalties(r, w);
     }
     int dummy;
+    if (r->mask != NULL) {
+        apply_mask(w->x, r->mask, v);
+        const double m = lanes_max(w->x, v, &dummy);
+        if (m == -INFINITY) {
+            return ROW_MASKED;
+        }
+        *token = first_equal(w->x, v, m);
+        return ROW_OK;
+    }
     *token = first_equal(w->x, v, lanes_max(w->x, v, &dummy));
     return ROW_OK;
 }
@@ -527,12 +570,21 @@ static int kept_weights(const row_t *r, work_t *w, const char *base, int is_doub
     } else {
         load_row(base, is_double, v, r->temperature, x); /* NaN stays NaN through the division */
     }
+    if (r->mask != NULL) {
+        if (!r->penalized) { /* a NaN is reported wherever it is, masked or not */
+            lanes_max(x, v, &nan);
+            if (nan) {
+                return ROW_NAN;
+            }
+        }
+        apply_mask(x, r->mask, v); /* -inf / temperature = -inf: masking after the division is the same */
+    }
     const double m = lanes_max(x, v, &nan);
     if (nan) {
         return ROW_NAN;
     }
     if (!isfinite(m)) {
-        return ROW_NOMAX;
+        return r->mask != NULL && m == -INFINITY ? ROW_MASKED : ROW_NOMAX;
     }
     const int topk = r->top_k > 0 && r->top_k < v;
     int64_t nk = -1;
@@ -1093,6 +1145,26 @@ static int check_out(Py_buffer *v, const char *name, char kind, Py_ssize_t ndim,
     return 0;
 }
 
+/* A token-mask buffer: int32, C-contiguous, ndim dimensions [rows, words] (or [words]). */
+static int check_mask(Py_buffer *m, const char *name, int ndim, Py_ssize_t rows, int64_t vocab) {
+    const Py_ssize_t words = (Py_ssize_t)((vocab + 31) / 32);
+    if (core_format_kind(m->format) != 'i' || m->itemsize != 4) {
+        PyErr_Format(PyExc_TypeError, "%s: expected int32 words, got format '%s' with itemsize %zd", name,
+                     m->format ? m->format : "B", m->itemsize);
+        return -1;
+    }
+    if (m->ndim != ndim || (ndim == 2 && m->shape[0] != rows) || m->shape[ndim - 1] != words) {
+        PyErr_Format(PyExc_ValueError, "%s: expected shape %s%zd words (ceil(vocab / 32) for a vocabulary of %lld)",
+                     name, ndim == 2 ? "[rows of logits, " : "[", words, (long long)vocab);
+        return -1;
+    }
+    if (!PyBuffer_IsContiguous(m, 'C')) {
+        PyErr_Format(PyExc_ValueError, "%s: must be C-contiguous", name);
+        return -1;
+    }
+    return 0;
+}
+
 /* Work buffers. One set is cached between calls (mapped pages, no page faults per call; it
  * grows to the largest vocabulary seen: ~41 bytes per token). A call that finds it in use
  * (another thread samples while this one released the GIL) gets its own. GIL held here. */
@@ -1163,6 +1235,8 @@ static void work_release(work_t *w, int cached) {
 static void row_error(int code, Py_ssize_t row) {
     if (code == ROW_NAN) {
         PyErr_Format(PyExc_ValueError, "logits row %zd contains NaN", row);
+    } else if (code == ROW_MASKED) {
+        PyErr_Format(PyExc_ValueError, "logits row %zd: its token mask allows no token with a finite logit", row);
     } else {
         PyErr_Format(PyExc_ValueError, "logits row %zd has no finite maximum (all -inf, or +inf)", row);
     }
@@ -1173,12 +1247,13 @@ static void row_error(int code, Py_ssize_t row) {
 static PyObject *sample(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *logits_obj, *params_obj, *rngs_obj, *prompt_obj, *output_obj, *tokens_obj, *lp_obj = Py_None;
-    if (!PyArg_ParseTuple(args, "OOOOOO|O:sample", &logits_obj, &params_obj, &rngs_obj, &prompt_obj, &output_obj,
-                          &tokens_obj, &lp_obj)) {
+    PyObject *mask_obj = Py_None;
+    if (!PyArg_ParseTuple(args, "OOOOOO|OO:sample", &logits_obj, &params_obj, &rngs_obj, &prompt_obj, &output_obj,
+                          &tokens_obj, &lp_obj, &mask_obj)) {
         return NULL;
     }
-    Py_buffer lv, tv, lpv[3];
-    int have_lv = 0, have_tv = 0, have_lp = 0;
+    Py_buffer lv, tv, lpv[3], mv;
+    int have_lv = 0, have_tv = 0, have_lp = 0, have_mv = 0;
     PyObject *params = NULL, *rngs = NULL, *prompts = NULL, *outputs = NULL, *lp_seq = NULL, *result = NULL;
     row_t *rows = NULL;
     int64_t *tok_scratch = NULL;
@@ -1245,6 +1320,16 @@ static PyObject *sample(PyObject *self, PyObject *args) {
         }
     }
 
+    if (mask_obj != Py_None) {
+        if (core_get_buffer(mask_obj, &mv, 0, "", "masks") < 0) {
+            goto done;
+        }
+        have_mv = 1;
+        if (check_mask(&mv, "masks", 2, b, vocab) < 0) {
+            goto done;
+        }
+    }
+
     rows = PyMem_Calloc(b > 0 ? (size_t)b : 1, sizeof(row_t));
     tok_scratch = PyMem_Calloc(b > 0 ? (size_t)b : 1, sizeof(int64_t));
     if (rows == NULL || tok_scratch == NULL) {
@@ -1255,6 +1340,11 @@ static PyObject *sample(PyObject *self, PyObject *args) {
         row_t *r = &rows[i];
         if (read_row_params(PySequence_Fast_GET_ITEM(params, i), i, r) < 0) {
             goto done;
+        }
+        if (have_mv) {
+            const int64_t words = (vocab + 31) / 32;
+            const uint32_t *m = (const uint32_t *)mv.buf + i * words;
+            r->mask = mask_all_ones(m, words) ? NULL : m;
         }
         if (r->temperature != 0.0) {
             if (read_rng(PySequence_Fast_GET_ITEM(rngs, i), i, r->state) < 0) {
@@ -1371,6 +1461,9 @@ done:
     if (have_tv) {
         PyBuffer_Release(&tv);
     }
+    if (have_mv) {
+        PyBuffer_Release(&mv);
+    }
     if (have_lv) {
         PyBuffer_Release(&lv);
     }
@@ -1386,12 +1479,13 @@ done:
 
 static PyObject *sample_probs(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *row_obj, *params_obj, *prompt_obj, *output_obj, *out_obj;
-    if (!PyArg_ParseTuple(args, "OOOOO:sample_probs", &row_obj, &params_obj, &prompt_obj, &output_obj, &out_obj)) {
+    PyObject *row_obj, *params_obj, *prompt_obj, *output_obj, *out_obj, *mask_obj = Py_None;
+    if (!PyArg_ParseTuple(args, "OOOOO|O:sample_probs", &row_obj, &params_obj, &prompt_obj, &output_obj, &out_obj,
+                          &mask_obj)) {
         return NULL;
     }
-    Py_buffer lv, ov;
-    int have_lv = 0, have_ov = 0, have_work = 0, cached = 0;
+    Py_buffer lv, ov, mv;
+    int have_lv = 0, have_ov = 0, have_mv = 0, have_work = 0, cached = 0;
     hist_t hist = {0};
     work_t w = {0};
     row_t r;
@@ -1422,6 +1516,16 @@ static PyObject *sample_probs(PyObject *self, PyObject *args) {
     if (r.penalized && (r.prompt_len < 0 || r.output_len < 0)) {
         PyErr_SetString(PyExc_ValueError, "params[0]: penalties need the row's prompt_ids and output_ids");
         goto done;
+    }
+    if (mask_obj != Py_None) {
+        if (core_get_buffer(mask_obj, &mv, 0, "", "mask") < 0) {
+            goto done;
+        }
+        have_mv = 1;
+        if (check_mask(&mv, "mask", 1, 1, vocab) < 0) {
+            goto done;
+        }
+        r.mask = mask_all_ones(mv.buf, (vocab + 31) / 32) ? NULL : mv.buf;
     }
     if (work_alloc(&w, vocab, &cached) < 0) {
         goto done;
@@ -1456,6 +1560,9 @@ done:
         work_release(&w, cached);
     }
     PyMem_Free(hist.data);
+    if (have_mv) {
+        PyBuffer_Release(&mv);
+    }
     if (have_ov) {
         PyBuffer_Release(&ov);
     }
@@ -1467,10 +1574,10 @@ done:
 
 PyMethodDef core_sampler_methods[] = {
     {"sample", sample, METH_VARARGS,
-     "sample(logits, params, generators, prompt_ids, output_ids, tokens_out, logprobs_out=None)\n--\n\n"
+     "sample(logits, params, generators, prompt_ids, output_ids, tokens_out, logprobs_out=None, masks=None)\n--\n\n"
      "One token per row into tokens_out; see the contract in _sampler.c (twin: reference.sample)."},
     {"sample_probs", sample_probs, METH_VARARGS,
-     "sample_probs(row, params, prompt_ids, output_ids, out)\n--\n\n"
+     "sample_probs(row, params, prompt_ids, output_ids, out, mask=None)\n--\n\n"
      "The distribution a row is drawn from, into out (twin: reference.sample_probs)."},
     {NULL, NULL, 0, NULL},
 };

@@ -861,6 +861,8 @@ def make_rng(seed: int | None) -> RNG:
 #   penalties (only tokens in the history change):
 #     repetition r, tokens in prompt + output:  x = x / r if x > 0 else x * r
 #     frequency f, presence p, tokens in output (count c):  x = x - f * c;  x = x - p
+#   token mask (a packed int32 row, bit i % 32 of word i / 32 = token i allowed; all ones = none):
+#     x = -inf on disallowed tokens; no allowed finite x -> ValueError
 #   greedy (temperature 0): argmax x, first maximum on ties; the RNG is not touched
 #   s = x / temperature;  m = max s (not finite -> ValueError)
 #   top-k (0 < k < V):  keep s >= k-th largest s (ties with it are kept)
@@ -1017,6 +1019,43 @@ def _penalized(row: np.ndarray, rp: _RowParams, prompt: np.ndarray | None, outpu
     return x
 
 
+def _check_masks(masks: object, name: str, rows: int | None, vocab: int) -> np.ndarray | None:
+    """A token-mask buffer: int32 words, C-contiguous, [rows, ceil(vocab / 32)] (rows None: one row
+    [ceil(vocab / 32)]); the same checks and messages as C."""
+    if masks is None:
+        return None
+    m = _as_array(masks, name)
+    if m.dtype.kind != "i" or m.dtype.itemsize != 4 or not m.dtype.isnative:
+        raise TypeError(f"{name}: expected int32 words, got format '{m.dtype.char}' with itemsize {m.dtype.itemsize}")
+    words = (vocab + 31) // 32
+    if m.shape != ((words,) if rows is None else (rows, words)):
+        shown = "[" if rows is None else "[rows of logits, "
+        raise ValueError(f"{name}: expected shape {shown}{words} words (ceil(vocab / 32) for a vocabulary of {vocab})")
+    if not m.flags.c_contiguous:
+        raise ValueError(f"{name}: must be C-contiguous")
+    return m
+
+
+def unpack_mask(words: np.ndarray, vocab: int) -> np.ndarray | None:
+    """bool [vocab] from one packed mask row (bit i % 32 of word i / 32 = token i allowed); None when the
+    row is all ones (it constrains nothing)."""
+    w = words.view(np.uint32)
+    if (w == 0xFFFFFFFF).all():
+        return None
+    bits = (w[:, None] >> np.arange(32, dtype=np.uint32)) & 1
+    return bits.reshape(-1)[:vocab].astype(bool)
+
+
+def _masked(x: np.ndarray, allowed: np.ndarray | None, i: int) -> np.ndarray:
+    """x with -inf on the tokens the mask disallows; ValueError when no allowed token is finite."""
+    if allowed is None:
+        return x
+    x = np.where(allowed, x, -np.inf)
+    if x.max() == -np.inf:
+        raise ValueError(f"logits row {i}: its token mask allows no token with a finite logit")
+    return x
+
+
 def _lane_sum(e: np.ndarray) -> float:
     """Sum in 8 interleaved lanes (lane j: e[j], e[j+8], ... sequentially), then the lanes in order:
     lane_sum() in _sampler.c, whose 8 accumulators vectorize where one sequential sum cannot."""
@@ -1024,10 +1063,14 @@ def _lane_sum(e: np.ndarray) -> float:
     return float(np.cumsum(lanes)[-1])
 
 
-def _kept_weights(x: np.ndarray, rp: _RowParams, i: int) -> np.ndarray:
-    """Unnormalised weights e after temperature, top-k, top-p, min-p (0 = dropped)."""
+def _kept_weights(x: np.ndarray, rp: _RowParams, i: int, allowed: np.ndarray | None = None) -> np.ndarray:
+    """Unnormalised weights e after temperature, the token mask, top-k, top-p, min-p (0 = dropped)."""
     v = x.shape[0]
     s = x / rp.temperature
+    if allowed is not None:  # after the division, as C does (-inf / t = -inf: the same weights either way)
+        s = np.where(allowed, s, -np.inf)
+        if s.max() == -np.inf:
+            raise ValueError(f"logits row {i}: its token mask allows no token with a finite logit")
     m = s.max()
     if not math.isfinite(m):
         raise ValueError(f"logits row {i} has no finite maximum (all -inf, or +inf)")
@@ -1102,14 +1145,17 @@ def _check_len(seq: object, name: str, b: int, optional: bool) -> Sequence[objec
 def sample(logits: np.ndarray, params: Sequence[object], rngs: Sequence[object],
            prompt_ids: Sequence[object] | None, output_ids: Sequence[object] | None,
            tokens_out: np.ndarray,
-           logprobs_out: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> None:
+           logprobs_out: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+           masks: np.ndarray | None = None) -> None:
     """Sample one token per row of logits [B, V] into tokens_out (int64 [B]); twin of _core.sample.
 
     params[i]: SamplingParams-like; rngs[i]: an RNG (None allowed for greedy rows);
     prompt_ids / output_ids: None, or per row None or a sequence of token ids (needed by rows
     with penalties); logprobs_out: None or (chosen float64[B], top_ids int64[B, N],
     top_logprobs float64[B, N]) filled for rows whose params.logprobs is not None (needs <= N);
-    without it params.logprobs is ignored.
+    without it params.logprobs is ignored. masks: None or int32 [B, ceil(V / 32)], a packed token mask
+    per row (bit i % 32 of word i / 32 = token i allowed; a row of all ones constrains nothing),
+    applied after the penalties and before greedy / temperature and the rest; logprobs stay raw.
     Every input is checked before any row is computed, and RNG states and outputs are written
     only when every row succeeded: on error nothing changed.
     """
@@ -1133,6 +1179,7 @@ def sample(logits: np.ndarray, params: Sequence[object], rngs: Sequence[object],
         top_ids = _check_out(top_ids, "logprobs_out[1]", np.int64, (b, width))
         top_lp = _check_out(logprobs_out[2], "logprobs_out[2]", np.float64, (b, width))
         lp_outs = (chosen, top_ids, top_lp)
+    mask_rows = _check_masks(masks, "masks", b, vocab)
     rows = []
     for i in range(b):
         rp = _row_params(params[i], i)  # type: ignore[index]
@@ -1156,11 +1203,12 @@ def sample(logits: np.ndarray, params: Sequence[object], rngs: Sequence[object],
         if np.isnan(row).any():
             raise ValueError(f"logits row {i} contains NaN")
         x = _penalized(row, rp, prompt, output)
+        allowed = None if mask_rows is None else unpack_mask(mask_rows[i], vocab)
         if rp.temperature == 0.0:
-            tokens[i] = int(np.argmax(x))
+            tokens[i] = int(np.argmax(_masked(x, allowed, i)))
             states.append(None)
         else:
-            e = _kept_weights(x, rp, i)
+            e = _kept_weights(x, rp, i, allowed)
             rng = RNG(state.copy())  # type: ignore[union-attr]
             tokens[i] = _draw(e, rng.random())
             states.append((i, state, rng))  # type: ignore[arg-type]
@@ -1180,10 +1228,11 @@ def sample(logits: np.ndarray, params: Sequence[object], rngs: Sequence[object],
 
 
 def sample_probs(row: np.ndarray, params: object, prompt_ids: Sequence[int] | None,
-                 output_ids: Sequence[int] | None, out: np.ndarray) -> None:
+                 output_ids: Sequence[int] | None, out: np.ndarray, mask: np.ndarray | None = None) -> None:
     """The distribution one row is drawn from, into out (float64 [V]); twin of _core.sample_probs.
 
-    Greedy rows get a one-hot distribution on the argmax.
+    Greedy rows get a one-hot distribution on the argmax. mask: None or one packed row (int32
+    [ceil(V / 32)]) as in `sample`.
     """
     a = _as_array(row, "logits")
     if a.ndim != 1:
@@ -1196,14 +1245,17 @@ def sample_probs(row: np.ndarray, params: object, prompt_ids: Sequence[int] | No
     output = _history([output_ids], 0, "output_ids", vocab)
     if rp.penalized and (prompt is None or output is None):
         raise ValueError("params[0]: penalties need the row's prompt_ids and output_ids")
+    words = _check_masks(mask, "mask", None, vocab)
+    allowed = None if words is None else unpack_mask(words, vocab)
     if np.isnan(a[0]).any():
         raise ValueError("logits row 0 contains NaN")
     x = _penalized(a[0], rp, prompt, output)
     if rp.temperature == 0.0:
+        best = int(np.argmax(_masked(x, allowed, 0)))
         dst[:] = 0.0
-        dst[int(np.argmax(x))] = 1.0
+        dst[best] = 1.0
         return
-    e = _kept_weights(x, rp, 0)
+    e = _kept_weights(x, rp, 0, allowed)
     dst[:] = e / _lane_sum(e)
 
 
