@@ -29,6 +29,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "GraniteForCausalLM",
     "Phi3ForCausalLM",
+    "Olmo2ForCausalLM",
 )
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -75,6 +76,10 @@ class ModelConfig:
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
     rotary_dim: int = 0  # dimensions of a head that RoPE turns (partial_rotary_factor * head_dim); 0: all
+    # OLMo 2: RMSNorm on the attention's and the MLP's outputs before the residual adds (no input norms),
+    # and its q/k RMSNorm over the whole projection rather than per head
+    post_norm: bool = False
+    qk_norm_full: bool = False
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], generation: dict[str, Any] | None = None,
@@ -136,7 +141,9 @@ class ModelConfig:
             qkv_bias=family_qkv_bias or bool(cfg.get("attention_bias", False)),
             o_bias=(not family_qkv_bias) and bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Olmo2ForCausalLM"),
+            post_norm=arch == "Olmo2ForCausalLM",
+            qk_norm_full=arch == "Olmo2ForCausalLM",
             sliding_windows=windows,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,

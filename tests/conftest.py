@@ -59,6 +59,8 @@ def make_random_checkpoint(folder: Path, arch: str, seed: int = 0, **overrides: 
         cfg = transformers.Qwen3Config(**common, head_dim=16)
     elif arch == "Phi3ForCausalLM":  # fused qkv_proj / gate_up_proj in the checkpoint
         cfg = transformers.Phi3Config(**common, rope_theta=10000.0)
+    elif arch == "Olmo2ForCausalLM":  # post-norm, q/k RMSNorm over the whole projection
+        cfg = transformers.Olmo2Config(**common)
     elif arch == "GraniteForCausalLM":  # multipliers as Granite 3's, the attention's for head_dim 16
         cfg = transformers.GraniteConfig(**common, embedding_multiplier=12.0, residual_multiplier=0.22,
                                          attention_multiplier=0.2, logits_scaling=8.0, rope_theta=10000.0)

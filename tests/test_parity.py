@@ -24,8 +24,9 @@ from runtime.engine import LLMEngine
 from runtime.forward_batch import ForwardBatch
 from runtime.sampling import SamplingParams
 
-ARCHS = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GraniteForCausalLM"]
-# (architecture, config overrides): the five families, plus Mistral with a sliding window shorter
+ARCHS = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GraniteForCausalLM",
+         "Olmo2ForCausalLM"]
+# (architecture, config overrides): the six families, plus Mistral with a sliding window shorter
 # than the prompts so the window mask is exercised across chunks and blocks, and Qwen2 with YaRN
 # (Qwen2.5's long-context setting: factor 4 over a pretraining length the prompts cross)
 YARN = {"rope_theta": 10000.0, "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
@@ -41,7 +42,7 @@ VARIANTS = [(a, {}) for a in ARCHS] + [("MistralForCausalLM", {"sliding_window":
 LOGITS_TOL = 1e-3
 
 
-VARIANT_IDS = ["llama", "mistral", "qwen2", "qwen3", "granite", "mistral-sliding", "qwen2-yarn",
+VARIANT_IDS = ["llama", "mistral", "qwen2", "qwen3", "granite", "olmo2", "mistral-sliding", "qwen2-yarn",
                "phi3-longrope-partial"]
 # every architecture on both CPU targets: ONNX Runtime (model.onnx) and torch (the torch.export program)
 BACKENDS = ["onnxruntime", "torch"]
@@ -71,9 +72,10 @@ def random_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
         assert manifest["kernels"]["attention"]["variant"] == "paged_cpu"
         fuse = next(p for p in manifest["passes"] if p["name"] == "fuse")["stats"]
         layers = json.loads((artifact / "runtime.json").read_text())["model"]["num_layers"]
-        # the fused op rotates whole heads after one QKV split: Qwen3's q/k norm and Phi's partial rotary
+        # the fused op rotates whole heads after one QKV split: Qwen3's and OLMo 2's q/k norms and Phi's partial rotary
         # (slices and a concat around the rotation) keep optimize.PagedAttention after the graph's RoPE
-        kept = arch == "Qwen3ForCausalLM" or "partial_rotary_factor" in overrides.get("rope_parameters", {})
+        kept = arch in ("Qwen3ForCausalLM", "Olmo2ForCausalLM") \
+            or "partial_rotary_factor" in overrides.get("rope_parameters", {})
         assert fuse["fusions"]["rotary_attention"] == (0 if kept else layers)
     return ckpt, artifact
 

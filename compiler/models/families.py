@@ -1,8 +1,8 @@
 """For a checkpoint our model definition does not cover: the nearest supported family and what differs.
 
-`nearest_family(cfg)` compares a Hugging Face `config.json` with the four families of
-compiler/models/llama.py (Llama, Mistral, Qwen2, Qwen3: one pre-norm decoder with RMSNorm, RoPE,
-GQA and a SiLU-gated MLP, differing in QKV bias, q/k RMSNorm and sliding windows). The comparison
+`nearest_family(cfg)` compares a Hugging Face `config.json` with the families of
+compiler/models/llama.py (FAMILIES: one decoder with RMSNorm, RoPE, GQA and a SiLU-gated MLP, differing in
+QKV bias, q/k RMSNorm, sliding windows, multipliers, fused weights, partial rotary and norm placement). The comparison
 reads config keys (activation, norm, soft-capping, experts, latent attention, rotary, multipliers,
 ...) plus, for a few well-known model types, what their config does not say (Gemma's (1+w)
 RMSNorm, fused projection weights, ...). The dry run and the build print it when they refuse a
@@ -24,6 +24,7 @@ FAMILIES = {
     "qwen3": "Qwen3ForCausalLM",
     "granite": "GraniteForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
 }
 
 _GEMMA = ["(1+w) RMSNorm weights (ours: w)", "embeddings scaled by sqrt(hidden_size)"]
@@ -38,8 +39,6 @@ KNOWN: dict[str, tuple[str, list[str]]] = {
     "mixtral": ("mistral", []),
     "qwen2_moe": ("qwen2", ["a shared expert with a sigmoid gate next to the routed experts"]),
     "qwen3_moe": ("qwen3", []),
-    "olmo2": ("qwen3", ["RMSNorm after attention and after the MLP instead of before (post-norm)",
-                        "q/k RMSNorm over all heads together (ours: per head)"]),
     "cohere": ("llama", ["attention and MLP in parallel on one residual (ours: one after the other)"]),
     "starcoder2": ("mistral", [_NON_GATED, "a bias on every projection"]),
     "gpt2": ("llama", ["learned absolute position embeddings (ours: RoPE)", _NON_GATED,

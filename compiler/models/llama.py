@@ -1,5 +1,5 @@
-"""Our model definition for the Llama family (Llama, Mistral, Qwen2, Qwen3, Granite, Phi-3) with the ForwardBatch
-interface.
+"""Our model definition for the Llama family (Llama, Mistral, Qwen2, Qwen3, Granite, Phi-3, OLMo 2) with the
+ForwardBatch interface.
 
 One forward runs any mix of prefill chunks and decode tokens, packed without padding. Attention is
 a paged attention written in standard ops (so it exports to plain ONNX):
@@ -23,6 +23,7 @@ targets) calls optimize::paged_attention_flashinfer, FlashInfer's kernels on CUD
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -178,10 +179,11 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, self.kvh * self.d, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, self.kvh * self.d, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=cfg.o_bias)
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
+        if cfg.qk_norm:  # per head (Qwen3), or over the whole projection (OLMo 2)
+            self.q_norm = RMSNorm(self.d * (self.h if cfg.qk_norm_full else 1), cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.d * (self.kvh if cfg.qk_norm_full else 1), cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
+        self.qk_norm_full = cfg.qk_norm_full
         self.rotary_dim = rope_dim(cfg)
         self.window = cfg.sliding_windows[layer]
         # YaRN's / LongRoPE's factor on q and k, folded where the whole head turns (a partial rotation
@@ -200,10 +202,14 @@ class Attention(nn.Module):
         v_cache: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.h, self.d)
-        k = self.k_proj(x).view(t, self.kvh, self.d)
+        if self.qk_norm_full:
+            q = self.q_norm(self.q_proj(x)).view(t, self.h, self.d)
+            k = self.k_norm(self.k_proj(x)).view(t, self.kvh, self.d)
+        else:
+            q = self.q_proj(x).view(t, self.h, self.d)
+            k = self.k_proj(x).view(t, self.kvh, self.d)
         v = self.v_proj(x).view(t, self.kvh, self.d)
-        if self.qk_norm:
+        if self.qk_norm and not self.qk_norm_full:
             q = self.q_norm(q)
             k = self.k_norm(k)
         cos_, sin_ = cos.unsqueeze(1), sin.unsqueeze(1)
@@ -315,9 +321,13 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, attention: str = "decomposed") -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if not cfg.post_norm:
+            self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer, attention)
+        # pre-norm: the MLP's input norm; post-norm (OLMo 2): the attention output's norm (transformers' names)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.post_norm:
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
 
@@ -346,30 +356,56 @@ class LlamaForwardBatchModel(nn.Module):
         *kv_cache: torch.Tensor,  # k_0, v_0, k_1, v_1, ...
     ) -> tuple[torch.Tensor, ...]:
         cfg = self.cfg
-        x = self.embed_tokens(input_ids)
-        if cfg.embedding_multiplier != 1.0:
-            x = x * cfg.embedding_multiplier
-        rm = cfg.residual_multiplier
-        freqs = positions.to(torch.float32).unsqueeze(1) * self.inv_freq.unsqueeze(0)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        cos, sin = emb.cos(), emb.sin()
-        if rope_dim(cfg) != cfg.head_dim and rope_attention_factor(cfg) != 1.0:  # as transformers: on cos/sin
-            cos, sin = cos * rope_attention_factor(cfg), sin * rope_attention_factor(cfg)
-        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        x = self.embed(input_ids)
+        cos, sin = self.rope_cos_sin(positions, x.dtype)
         ctx = AttentionContext(positions, cu_seqlens, past_lens, block_table, self.block_size, cfg.num_kv_heads,
                                indices=self.attention == "decomposed")
         new_kv: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
-            h, k, v = layer.self_attn(layer.input_layernorm(x), cos, sin, ctx, kv_cache[2 * i], kv_cache[2 * i + 1])
-            x = x + (h if rm == 1.0 else h * rm)
-            m = layer.mlp(layer.post_attention_layernorm(x))
-            x = x + (m if rm == 1.0 else m * rm)
-            new_kv += [k, v]
+            kv: list[torch.Tensor] = []
+
+            def attend(xn: torch.Tensor, layer: nn.Module = layer, i: int = i, kv: list = kv) -> torch.Tensor:
+                h, k, v = layer.self_attn(xn, cos, sin, ctx, kv_cache[2 * i], kv_cache[2 * i + 1])
+                kv += [k, v]
+                return h
+
+            x = self.layer_forward(layer, x, attend)
+            new_kv += kv
         h = self.norm(x[logits_index])
         logits = self.lm_head(h).to(torch.float32)
         if cfg.logits_scaling != 1.0:
             logits = logits / cfg.logits_scaling
         return (logits, *new_kv)
+
+    # -- the pieces of the forward that calibration (compiler/quant/calibration.py) runs layer by layer --
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        return x * self.cfg.embedding_multiplier if self.cfg.embedding_multiplier != 1.0 else x
+
+    def rope_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, rotary_dim] of each token's position, in `dtype` (angles in float32)."""
+        cfg = self.cfg
+        freqs = positions.to(torch.float32).unsqueeze(1) * self.inv_freq.unsqueeze(0)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        if rope_dim(cfg) != cfg.head_dim and rope_attention_factor(cfg) != 1.0:  # as transformers: on cos/sin
+            cos, sin = cos * rope_attention_factor(cfg), sin * rope_attention_factor(cfg)
+        return cos.to(dtype), sin.to(dtype)
+
+    def attention_input(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """What layer.self_attn reads: the normalised residual (pre-norm), the residual itself (post-norm)."""
+        return x if self.cfg.post_norm else layer.input_layernorm(x)
+
+    def layer_forward(self, layer: nn.Module, x: torch.Tensor, attend: Any) -> torch.Tensor:
+        """One decoder layer on the residual x; `attend(attention input) -> attention output`."""
+        rm = self.cfg.residual_multiplier
+        if self.cfg.post_norm:  # OLMo 2: the norms on the branches' outputs, before the residual adds
+            x = x + layer.post_attention_layernorm(attend(x))
+            return x + layer.post_feedforward_layernorm(layer.mlp(x))
+        h = attend(layer.input_layernorm(x))
+        x = x + (h if rm == 1.0 else h * rm)
+        m = layer.mlp(layer.post_attention_layernorm(x))
+        return x + (m if rm == 1.0 else m * rm)
 
     # -- weights -------------------------------------------------------------------------------
     def hf_name(self, name: str) -> str:

@@ -12,7 +12,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from compiler.passes.base import BuildContext, Pass
+from compiler.passes.base import BuildContext, BuildError, Pass
 from compiler.quant.common import Int4WeightSizes, check_group_size, matches
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -78,6 +78,10 @@ class QuantizeAwqPass(Int4WeightSizes, Pass):
         )
 
         c = self.config
+        if ctx.checkpoint.config.post_norm:  # the scale groups fold scales into the norm before each group
+            raise BuildError(f"{self.name}: {ctx.checkpoint.config.architecture} normalises the attention's and "
+                             "the MLP's outputs (post-norm), so no norm precedes q/k/v or gate/up to fold AWQ's "
+                             "scales into; use quantize_gptq or quantize_rtn")
         model = begin(ctx, self.name)
         with float32_search(model):  # searches in float32 on the target's weights
             st = quant_state(ctx)

@@ -19,7 +19,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from compiler.passes.base import BuildContext, Pass
+from compiler.passes.base import BuildContext, BuildError, Pass
 from compiler.quant.common import matches
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -91,6 +91,9 @@ class QuantizeInt8Pass(Pass):
         targets = target_linears(model, c.ignore)
         extra: dict[str, Any] = {}
         if c.smoothquant_alpha is not None:
+            if ctx.checkpoint.config.post_norm:
+                raise BuildError(f"{self.name}: smoothquant_alpha folds scales into the norm before q/k/v and "
+                                 f"gate/up; {ctx.checkpoint.config.architecture} has none there (post-norm)")
             extra = self._smooth(ctx, model, targets, c.smoothquant_alpha)
         for name, lin in targets.items():
             q = int8.quantize_weight(lin.weight, c.activations)

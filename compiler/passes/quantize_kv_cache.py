@@ -61,7 +61,7 @@ class QuantizeKvCachePass(Pass):
         with torch.no_grad():
             for i, layer in enumerate(model.layers):
                 for b, x in enumerate(runner.hidden):
-                    k, v = runner.attention_kv(layer, layer.input_layernorm(x), b)  # [T, kvh, d]
+                    k, v = runner.attention_kv(layer, model.attention_input(layer, x), b)  # [T, kvh, d]
                     k_amax[i] = np.maximum(k_amax[i], k.abs().amax(dim=(0, 2)).numpy())
                     v_amax[i] = np.maximum(v_amax[i], v.abs().amax(dim=(0, 2)).numpy())
                 runner.advance(i)

@@ -165,11 +165,10 @@ class LayerRunner:
                 past = torch.zeros(len(g), dtype=torch.int32)
                 table = torch.zeros(len(g), 1, dtype=torch.int32)
                 # as LlamaForwardBatchModel.forward computes them
-                freqs = positions.to(torch.float32).unsqueeze(1) * model.inv_freq.unsqueeze(0)
-                emb = torch.cat([freqs, freqs], dim=-1)
+                cos, sin = model.rope_cos_sin(positions, dtype)
                 actx = AttentionContext(positions, cu, past, table, model.block_size, cfg.num_kv_heads)
-                self.batches.append(_Batch(emb.cos().to(dtype), emb.sin().to(dtype), actx, cache, cache))
-                self.hidden.append(model.embed_tokens(ids))
+                self.batches.append(_Batch(cos, sin, actx, cache, cache))
+                self.hidden.append(model.embed(ids))
         self.num_tokens = sum(len(s) for s in seqs)
 
     def attention(self, layer: nn.Module, x: torch.Tensor, b: int) -> torch.Tensor:
@@ -183,8 +182,7 @@ class LayerRunner:
         return k, v
 
     def layer_forward(self, layer: nn.Module, x: torch.Tensor, b: int) -> torch.Tensor:
-        h = x + self.attention(layer, layer.input_layernorm(x), b)
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.model.layer_forward(layer, x, lambda xn: self.attention(layer, xn, b))
 
     def outputs(self, index: int) -> list[torch.Tensor]:
         """Layer `index` applied to the current hidden states (nothing stored)."""

@@ -1,0 +1,71 @@
+"""The families beyond Llama's own layout through the quantization side of the build.
+
+Calibration (compiler/quant/calibration.py LayerRunner) runs the model one decoder layer at a time; it
+takes the embedding, the rotation and the layer's residual wiring from the model itself, so Granite's
+multipliers, Phi-3's partial LongRoPE rotation and OLMo 2's post-norms are calibrated on the activations
+the artifact computes (checked here against the model's own forward). AWQ and SmoothQuant fold scales
+into the norm before q/k/v and gate/up, which a post-norm layer does not have: they refuse it by name.
+Logits and greedy tokens of each family against transformers: tests/test_parity.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_random_checkpoint, write_recipe
+from test_parity import LONGROPE
+
+from compiler.build import build
+from compiler.checkpoint import inspect_checkpoint, load_weights
+from compiler.models.llama import LlamaForwardBatchModel
+from compiler.passes.base import BuildError
+from compiler.quant.calibration import LayerRunner
+
+FAMILIES = {
+    "granite": ("GraniteForCausalLM", {}),
+    "phi3-longrope-partial": ("Phi3ForCausalLM", {"rope_parameters": LONGROPE, "original_max_position_embeddings": 512,
+                                                  "max_position_embeddings": 2048}),
+    "olmo2": ("Olmo2ForCausalLM", {}),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_calibration_runs_the_layers_the_artifact_computes(family: str, tmp_path: Path) -> None:
+    arch, overrides = FAMILIES[family]
+    ckpt = make_random_checkpoint(tmp_path / "ckpt", arch, seed=3, **overrides)
+    info = inspect_checkpoint(ckpt, max_model_len=512)
+    model = LlamaForwardBatchModel(info.config, 16).eval()
+    model.load_hf_state_dict(load_weights(info), torch.float32)
+    samples = [list(range(5, 45)), list(range(100, 131))]
+    runner = LayerRunner(model, samples)
+    for i in range(len(model.layers)):
+        runner.advance(i)
+    hidden = torch.cat(runner.hidden)  # one batch: both samples packed
+    # the model's forward on the same packed sequences, every token's logits
+    ids = torch.tensor([t for s in samples for t in s])
+    pos = torch.cat([torch.arange(len(s)) for s in samples])
+    cu = torch.tensor([0, len(samples[0]), len(ids)], dtype=torch.int32)
+    pools = [torch.zeros(1, 16, info.config.num_kv_heads, info.config.head_dim) for _ in range(2 * len(model.layers))]
+    with torch.no_grad():
+        logits = model(ids, pos, cu, torch.zeros(2, dtype=torch.int32), torch.zeros(2, 1, dtype=torch.int32),
+                       torch.arange(len(ids)), *pools)[0]
+        from_runner = model.lm_head(model.norm(hidden)) / info.config.logits_scaling
+    torch.testing.assert_close(from_runner, logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("passes", "needle"), [
+    ("  - name: quantize_awq\n    options: {group_size: 32}\n", "quantize_awq: Olmo2ForCausalLM normalises"),
+    ("  - name: quantize_int8\n    options: {smoothquant_alpha: 0.5}\n", "quantize_int8: smoothquant_alpha folds"),
+])
+def test_scale_folding_methods_refuse_a_post_norm_model(passes: str, needle: str, tmp_path: Path) -> None:
+    ckpt = make_random_checkpoint(tmp_path / "ckpt", "Olmo2ForCausalLM", seed=4)
+    calib = tmp_path / "calib.txt"
+    calib.write_text("def f(x):\n    return x + 1\n" * 100, encoding="utf-8")
+    recipe = write_recipe(tmp_path, ckpt, name="olmo2-q", passes=(
+        f"  - name: capture\n{passes}  - name: lower_onnx\n  - name: lower_quant\n  - name: package\n"),
+        extra=f"calibration:\n  data: {calib}\n  num_samples: 2\n  seq_len: 32\n")
+    with pytest.raises(BuildError, match=needle):
+        build(recipe, progress=False)
+    assert not list((tmp_path / "artifacts").rglob("manifest.json"))  # nothing published
