@@ -22,6 +22,8 @@ log = logging.getLogger(__name__)
 # (compiler/models/llama.py rope_inv_freq); `dynamic` equals `default` up to max_position_embeddings,
 # where max_model_len is capped
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
+# MLP activations of hidden_act / hidden_activation -> the model definition's name
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -30,6 +32,7 @@ SUPPORTED_ARCHITECTURES = (
     "GraniteForCausalLM",
     "Phi3ForCausalLM",
     "Olmo2ForCausalLM",
+    "Gemma2ForCausalLM",
 )
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -80,6 +83,13 @@ class ModelConfig:
     # and its q/k RMSNorm over the whole projection rather than per head
     post_norm: bool = False
     qk_norm_full: bool = False
+    # Gemma 2: GeGLU (gelu, tanh approximation), RMSNorm weights stored as w - 1 (the loader adds the 1), norms
+    # before and after both branches ("sandwich"), tanh soft-capping of the attention scores and the logits
+    mlp_activation: str = "silu"  # silu | gelu_tanh
+    norm_weight_offset: float = 0.0
+    sandwich_norm: bool = False
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], generation: dict[str, Any] | None = None,
@@ -97,8 +107,9 @@ class ModelConfig:
                 f"architecture {arch!r} (model_type {model_type}) is not supported; supported: "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)}\n{nearest_family(cfg).describe(str(model_type))}"
             )
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise CheckpointError(f"hidden_act {cfg.get('hidden_act')!r} is not supported (only 'silu')")
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+        if act not in ACTIVATIONS:
+            raise CheckpointError(f"hidden_act {act!r} is not supported ({', '.join(ACTIVATIONS)})")
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         head_dim = int(cfg.get("head_dim") or hidden // heads)
@@ -148,7 +159,9 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             rotary_dim=rotary_dim,
+            mlp_activation=ACTIVATIONS[act],
             **_multipliers(arch, cfg),
+            **_gemma(arch, cfg, hidden, head_dim),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -181,6 +194,14 @@ def _longrope_factors(sc: dict[str, Any], cfg: dict[str, Any], head_dim: int, ro
     return {**sc, "original_max_position_embeddings": int(original), "factors": factors}
 
 
+def _gemma(arch: str, cfg: dict[str, Any], hidden: int, head_dim: int) -> dict[str, Any]:
+    if arch != "Gemma2ForCausalLM":
+        return {}
+    soft = {k: (float(cfg[k]) if cfg.get(k) else None) for k in ("attn_logit_softcapping", "final_logit_softcapping")}
+    return {"embedding_multiplier": float(hidden) ** 0.5, "norm_weight_offset": 1.0, "sandwich_norm": True,
+            "attention_multiplier": float(cfg.get("query_pre_attn_scalar") or head_dim) ** -0.5, **soft}
+
+
 def _multipliers(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     if arch != "GraniteForCausalLM":
         return {}
@@ -194,6 +215,10 @@ def _sliding_windows(arch: str, cfg: dict[str, Any], layers: int) -> tuple[int |
     window = cfg.get("sliding_window")
     if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
         return tuple([int(window) if window else None] * layers)
+    if arch == "Gemma2ForCausalLM":  # alternating: layer_types, or transformers' default (even layers slide)
+        types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                                           for i in range(layers)]
+        return tuple(int(window) if window and t == "sliding_attention" else None for t in types)
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         if not cfg.get("use_sliding_window", False) or not window:
             return tuple([None] * layers)

@@ -69,3 +69,20 @@ def test_scale_folding_methods_refuse_a_post_norm_model(passes: str, needle: str
     with pytest.raises(BuildError, match=needle):
         build(recipe, progress=False)
     assert not list((tmp_path / "artifacts").rglob("manifest.json"))  # nothing published
+
+
+def test_gemma2_attention_takes_the_decomposed_path_only(tmp_path: Path) -> None:
+    """Soft-capped scores: every fused variant is invalid with the reason, and forcing the kernel fails the build."""
+    from compiler.attention import candidates
+
+    ckpt = make_random_checkpoint(tmp_path / "ckpt", "Gemma2ForCausalLM", seed=6)
+    cfg = inspect_checkpoint(ckpt).config
+    assert cfg.sliding_windows == (24, None) and cfg.attn_logit_softcapping == 5.0
+    found = {c.variant: c for c in candidates(cfg, "onnxruntime", "cpu", "float32")}
+    assert found["decomposed"].valid
+    assert all(not c.valid and "soft-capping" in c.reason for v, c in found.items() if v != "decomposed")
+    recipe = write_recipe(tmp_path, ckpt, name="gemma2-kernel", passes=(
+        "  - name: select_attention\n    options: {kernel: paged_cpu}\n  - name: capture\n  - name: lower_onnx\n"
+        "  - name: package\n"))
+    with pytest.raises(Exception, match="soft-capping"):
+        build(recipe, progress=False)

@@ -25,8 +25,8 @@ from runtime.forward_batch import ForwardBatch
 from runtime.sampling import SamplingParams
 
 ARCHS = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GraniteForCausalLM",
-         "Olmo2ForCausalLM"]
-# (architecture, config overrides): the six families, plus Mistral with a sliding window shorter
+         "Olmo2ForCausalLM", "Gemma2ForCausalLM"]
+# (architecture, config overrides): the seven families, plus Mistral with a sliding window shorter
 # than the prompts so the window mask is exercised across chunks and blocks, and Qwen2 with YaRN
 # (Qwen2.5's long-context setting: factor 4 over a pretraining length the prompts cross)
 YARN = {"rope_theta": 10000.0, "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
@@ -42,7 +42,7 @@ VARIANTS = [(a, {}) for a in ARCHS] + [("MistralForCausalLM", {"sliding_window":
 LOGITS_TOL = 1e-3
 
 
-VARIANT_IDS = ["llama", "mistral", "qwen2", "qwen3", "granite", "olmo2", "mistral-sliding", "qwen2-yarn",
+VARIANT_IDS = ["llama", "mistral", "qwen2", "qwen3", "granite", "olmo2", "gemma2", "mistral-sliding", "qwen2-yarn",
                "phi3-longrope-partial"]
 # every architecture on both CPU targets: ONNX Runtime (model.onnx) and torch (the torch.export program)
 BACKENDS = ["onnxruntime", "torch"]
@@ -54,8 +54,13 @@ PAGED_CPU_PASSES = ("  - name: select_attention\n    options: {kernel: paged_cpu
                     "  - name: lower_onnx\n  - name: fuse\n  - name: package\n")
 
 
-@pytest.fixture(scope="module", params=[(v, b) for b in TARGETS for v in range(len(VARIANTS))],
-                ids=[f"{i}-{b}" for b in TARGETS for i in VARIANT_IDS])
+# Gemma 2's attention soft-capping is in the decomposed path only: the kernel refuses it at build
+# (tests/test_model_families.py), so that pair is not a parity case
+CASES = [(v, b) for b in TARGETS for v in range(len(VARIANTS))
+         if not (b == "onnxruntime-paged_cpu" and VARIANTS[v][0] == "Gemma2ForCausalLM")]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[f"{VARIANT_IDS[v]}-{b}" for v, b in CASES])
 def random_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(checkpoint folder, built artifact) for one architecture and target backend."""
     index, target = request.param

@@ -102,6 +102,7 @@ def attention_kind(cfg: Any) -> dict[str, Any]:
         "sliding_window_layers": sum(w is not None for w in cfg.sliding_windows),
         "qk_norm": bool(cfg.qk_norm),
         "qkv_bias": bool(cfg.qkv_bias),
+        "logit_softcapping": getattr(cfg, "attn_logit_softcapping", None),
     }
 
 
@@ -122,6 +123,10 @@ def candidates(cfg: Any, backend: str, device: str, dtype: str, pass_names: list
         kv_cache_dtype = "int8"
     if cfg.num_heads % cfg.num_kv_heads:
         why = f"num_heads {cfg.num_heads} is not a multiple of num_kv_heads {cfg.num_kv_heads}"
+        return out + [Candidate(v, False, why) for v in ("gqa", "paged_cpu", "paged_attention", "triton", "flashinfer")]
+    if getattr(cfg, "attn_logit_softcapping", None):
+        why = (f"attention logit soft-capping ({cfg.attn_logit_softcapping} * tanh(s / "
+               f"{cfg.attn_logit_softcapping})): only the decomposed path applies it")
         return out + [Candidate(v, False, why) for v in ("gqa", "paged_cpu", "paged_attention", "triton", "flashinfer")]
     if backend == "tensorrt":
         out.append(Candidate("gqa", False, _NOT_FOR_TENSORRT.format(op="GroupQueryAttention")))

@@ -25,16 +25,14 @@ FAMILIES = {
     "granite": "GraniteForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
 }
 
-_GEMMA = ["(1+w) RMSNorm weights (ours: w)", "embeddings scaled by sqrt(hidden_size)"]
 _NON_GATED = "a non-gated MLP (fc in -> activation -> fc out; ours: gate_proj/up_proj/down_proj)"
 # model_type -> (nearest family, differences its config keys do not show)
 KNOWN: dict[str, tuple[str, list[str]]] = {
-    "gemma": ("llama", _GEMMA),
-    "gemma2": ("llama", [*_GEMMA, "extra RMSNorms after attention and after the MLP (post-norms)"]),
-    "gemma3_text": ("qwen3", [*_GEMMA, "extra RMSNorms after attention and after the MLP (post-norms)",
-                              "a second RoPE base for the sliding-window layers"]),
+    "gemma": ("gemma2", ["RMSNorm before each branch only (gemma2: before and after)"]),
+    "gemma3_text": ("gemma2", ["q/k RMSNorm per head, (1+w)", "a second RoPE base for the sliding-window layers"]),
     "phi": ("llama", [_NON_GATED, "a bias on every projection"]),
     "mixtral": ("mistral", []),
     "qwen2_moe": ("qwen2", ["a shared expert with a sigmoid gate next to the routed experts"]),
@@ -75,22 +73,22 @@ def _rope(cfg: dict[str, Any]) -> dict[str, Any]:
     return rope if isinstance(rope, dict) else {}
 
 
-def config_differences(cfg: dict[str, Any], gated: bool = True) -> list[str]:
-    """What `cfg` asks for that our Llama-family definition does not do, from its config keys (`gated`:
-    whether its MLP is gated like ours, which the config does not say)."""
+def config_differences(cfg: dict[str, Any], gated: bool = True, family: str = "llama") -> list[str]:
+    """What `cfg` asks for that `family` does not do, from its config keys (`gated`: whether its MLP is
+    gated like ours, which the config does not say)."""
     out: list[str] = []
     act = _num(cfg, "hidden_activation", "hidden_act", "activation_function")
-    if act is not None and act != "silu":
+    if act is not None and (act not in ("silu", "gelu_pytorch_tanh") or not gated):
         gelu = str(act).startswith("gelu")
         kind = ("GeGLU" if gelu else f"{act}-gated") if gated else ("GELU" if gelu else str(act))
-        out.append(f"{kind} activation ({act!r}; ours: SiLU, SwiGLU)")
+        out.append(f"{kind} activation ({act!r}; ours: gated SiLU or tanh-GELU)")
     if "rms_norm_eps" not in cfg and _num(cfg, "layer_norm_eps", "layer_norm_epsilon", "norm_epsilon"):
         out.append("LayerNorm (ours: RMSNorm)")
     for key, what in (("attn_logit_softcapping", "attention-logit soft-capping"),
                       ("final_logit_softcapping", "final-logit soft-capping")):
-        if cfg.get(key):
+        if cfg.get(key) and family != "gemma2":
             out.append(f"{what} ({key}={cfg[key]})")
-    if cfg.get("query_pre_attn_scalar"):
+    if cfg.get("query_pre_attn_scalar") and family != "gemma2":
         out.append(f"attention scale 1/sqrt(query_pre_attn_scalar={cfg['query_pre_attn_scalar']}) "
                    "(ours: 1/sqrt(head_dim))")
     experts = _num(cfg, "num_local_experts", "num_experts", "n_routed_experts")
@@ -133,7 +131,7 @@ def nearest_family(cfg: dict[str, Any]) -> Nearest:
         family = "mistral"
     else:
         family = "llama"
-    differences = config_differences(cfg, gated=_NON_GATED not in extra)
+    differences = config_differences(cfg, gated=_NON_GATED not in extra, family=family)
     if family == "qwen3":  # Qwen3 has q/k norms (RMSNorm)
         differences = [d for d in differences if d != "q/k LayerNorm"]
     return Nearest(family, FAMILIES[family], tuple(differences + extra))

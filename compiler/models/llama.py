@@ -1,5 +1,5 @@
-"""Our model definition for the Llama family (Llama, Mistral, Qwen2, Qwen3, Granite, Phi-3, OLMo 2) with the
-ForwardBatch interface.
+"""Our model definition for the Llama family (Llama, Mistral, Qwen2, Qwen3, Granite, Phi-3, OLMo 2, Gemma 2)
+with the ForwardBatch interface.
 
 One forward runs any mix of prefill chunks and decode tokens, packed without padding. Attention is
 a paged attention written in standard ops (so it exports to plain ONNX):
@@ -185,6 +185,9 @@ class Attention(nn.Module):
         self.qk_norm = cfg.qk_norm
         self.qk_norm_full = cfg.qk_norm_full
         self.rotary_dim = rope_dim(cfg)
+        self.softcap = cfg.attn_logit_softcapping
+        if self.softcap and variant != "decomposed":
+            raise ValueError(f"attention variant {variant!r} has no logit soft-capping (the decomposed path has)")
         self.window = cfg.sliding_windows[layer]
         # YaRN's / LongRoPE's factor on q and k, folded where the whole head turns (a partial rotation
         # scales only the turned dimensions: the model scales cos/sin there); Granite's
@@ -235,7 +238,10 @@ class Attention(nn.Module):
         # This step's own keys: one GEMM per KV head over all tokens, masked to the same sequence.
         qh = qg.permute(1, 0, 2, 3).reshape(self.kvh, t * group, self.d)
         s_new = torch.matmul(qh, k.permute(1, 2, 0)).view(self.kvh, t, group, t).permute(1, 0, 2, 3)
-        scores = torch.cat([s_past, s_new], dim=-1) + ctx.bias(self.window)  # [T, kvh, g, Lp + T]
+        scores = torch.cat([s_past, s_new], dim=-1)
+        if self.softcap:  # Gemma 2: cap * tanh(scores / cap), before the mask
+            scores = torch.tanh(scores / self.softcap) * self.softcap
+        scores = scores + ctx.bias(self.window)  # [T, kvh, g, Lp + T]
         probs = torch.softmax(scores.to(torch.float32), dim=-1).to(q.dtype)
         lp = kp.shape[2]
         p_new = probs[..., lp:].permute(1, 0, 2, 3).reshape(self.kvh, t * group, t)
@@ -313,9 +319,13 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.activation = cfg.mlp_activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate = self.gate_proj(x)
+        act = nn.functional.gelu(gate, approximate="tanh") if self.activation == "gelu_tanh" else \
+            nn.functional.silu(gate)
+        return self.down_proj(act * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
@@ -326,8 +336,10 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, layer, attention)
         # pre-norm: the MLP's input norm; post-norm (OLMo 2): the attention output's norm (transformers' names)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        if cfg.post_norm:
+        if cfg.post_norm or cfg.sandwich_norm:
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.sandwich_norm:  # Gemma 2: post_attention_layernorm is the attention output's, this the MLP input's
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
 
@@ -375,6 +387,8 @@ class LlamaForwardBatchModel(nn.Module):
         logits = self.lm_head(h).to(torch.float32)
         if cfg.logits_scaling != 1.0:
             logits = logits / cfg.logits_scaling
+        if cfg.final_logit_softcapping:
+            logits = torch.tanh(logits / cfg.final_logit_softcapping) * cfg.final_logit_softcapping
         return (logits, *new_kv)
 
     # -- the pieces of the forward that calibration (compiler/quant/calibration.py) runs layer by layer --
@@ -399,6 +413,9 @@ class LlamaForwardBatchModel(nn.Module):
     def layer_forward(self, layer: nn.Module, x: torch.Tensor, attend: Any) -> torch.Tensor:
         """One decoder layer on the residual x; `attend(attention input) -> attention output`."""
         rm = self.cfg.residual_multiplier
+        if self.cfg.sandwich_norm:  # Gemma 2: norms before and after each branch
+            x = x + layer.post_attention_layernorm(attend(layer.input_layernorm(x)))
+            return x + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(x)))
         if self.cfg.post_norm:  # OLMo 2: the norms on the branches' outputs, before the residual adds
             x = x + layer.post_attention_layernorm(attend(x))
             return x + layer.post_feedforward_layernorm(layer.mlp(x))
@@ -431,6 +448,8 @@ class LlamaForwardBatchModel(nn.Module):
                 w = weights[src]
                 if tuple(w.shape) != tuple(param.shape):
                     raise ValueError(f"tensor {src}: shape {tuple(w.shape)} != expected {tuple(param.shape)}")
+                if self.cfg.norm_weight_offset and name.endswith("norm.weight"):  # Gemma stores w - 1
+                    w = w.to(torch.float32) + self.cfg.norm_weight_offset
                 param.copy_(w.to(dtype))
                 used.add(src)
         if missing:
