@@ -33,6 +33,7 @@ SUPPORTED_ARCHITECTURES = (
     "Phi3ForCausalLM",
     "Olmo2ForCausalLM",
     "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
 )
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -86,6 +87,9 @@ class ModelConfig:
     # Gemma 2: GeGLU (gelu, tanh approximation), RMSNorm weights stored as w - 1 (the loader adds the 1), norms
     # before and after both branches ("sandwich"), tanh soft-capping of the attention scores and the logits
     mlp_activation: str = "silu"  # silu | gelu_tanh
+    # Gemma 3: the sliding-window layers' own RoPE (theta and scaling); None: every layer uses the above
+    local_rope_theta: float | None = None
+    local_rope_scaling: dict[str, Any] | None = None
     norm_weight_offset: float = 0.0
     sandwich_norm: bool = False
     attn_logit_softcapping: float | None = None
@@ -114,20 +118,14 @@ class ModelConfig:
         hidden = int(cfg["hidden_size"])
         head_dim = int(cfg.get("head_dim") or hidden // heads)
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-        theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ROPE_TYPES:
-            raise CheckpointError(f"RoPE type {rope_type!r} is not supported ({', '.join(ROPE_TYPES)})")
-        partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
-        rotary_dim = int(head_dim * partial)
-        if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
-            raise CheckpointError(f"partial_rotary_factor {partial} gives {rotary_dim} rotated dimensions of "
-                                  f"{head_dim}: must be even and positive")
-        rope_scaling = None if rope_type == "default" else {
-            k: v for k, v in sorted(rope.items()) if k not in ("rope_theta", "partial_rotary_factor")
-        }
-        if rope_type == "longrope":
-            rope_scaling = _longrope_factors(rope_scaling or {}, cfg, head_dim, rotary_dim, max_model_len)
+        local: tuple[float, dict[str, Any] | None] | None = None
+        if rope and all(isinstance(v, dict) for v in rope.values()):  # per layer type (Gemma 3)
+            if "sliding_attention" in rope:
+                local = _rope_spec(dict(rope["sliding_attention"]), cfg, head_dim, max_model_len)[:2]
+            rope = dict(rope.get("full_attention") or {})
+        elif cfg.get("rope_local_base_freq"):  # Gemma 3 configs written before per-layer-type parameters
+            local = (float(cfg["rope_local_base_freq"]), None)
+        theta, rope_scaling, rotary_dim = _rope_spec(rope, cfg, head_dim, max_model_len)
         layers = int(cfg["num_hidden_layers"])
         windows = _sliding_windows(arch, cfg, layers)
         eos = (generation or {}).get("eos_token_id")
@@ -152,13 +150,15 @@ class ModelConfig:
             qkv_bias=family_qkv_bias or bool(cfg.get("attention_bias", False)),
             o_bias=(not family_qkv_bias) and bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Olmo2ForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Olmo2ForCausalLM", "Gemma3ForCausalLM"),
             post_norm=arch == "Olmo2ForCausalLM",
             qk_norm_full=arch == "Olmo2ForCausalLM",
             sliding_windows=windows,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             rotary_dim=rotary_dim,
+            local_rope_theta=local[0] if local else None,
+            local_rope_scaling=local[1] if local else None,
             mlp_activation=ACTIVATIONS[act],
             **_multipliers(arch, cfg),
             **_gemma(arch, cfg, hidden, head_dim),
@@ -171,6 +171,26 @@ class ModelConfig:
         d["sliding_windows"] = list(self.sliding_windows)
         d["eos_token_ids"] = list(self.eos_token_ids)
         return d
+
+
+def _rope_spec(rope: dict[str, Any], cfg: dict[str, Any], head_dim: int, max_model_len: int | None
+               ) -> tuple[float, dict[str, Any] | None, int]:
+    """(theta, scaling parameters or None for the default type, rotated dimensions) of one RoPE setting."""
+    theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise CheckpointError(f"RoPE type {rope_type!r} is not supported ({', '.join(ROPE_TYPES)})")
+    partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+    rotary_dim = int(head_dim * partial)
+    if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
+        raise CheckpointError(f"partial_rotary_factor {partial} gives {rotary_dim} rotated dimensions of "
+                              f"{head_dim}: must be even and positive")
+    rope_scaling = None if rope_type == "default" else {
+        k: v for k, v in sorted(rope.items()) if k not in ("rope_theta", "partial_rotary_factor")
+    }
+    if rope_type == "longrope":
+        rope_scaling = _longrope_factors(rope_scaling or {}, cfg, head_dim, rotary_dim, max_model_len)
+    return theta, rope_scaling, rotary_dim
 
 
 def _longrope_factors(sc: dict[str, Any], cfg: dict[str, Any], head_dim: int, rotary_dim: int,
@@ -195,7 +215,7 @@ def _longrope_factors(sc: dict[str, Any], cfg: dict[str, Any], head_dim: int, ro
 
 
 def _gemma(arch: str, cfg: dict[str, Any], hidden: int, head_dim: int) -> dict[str, Any]:
-    if arch != "Gemma2ForCausalLM":
+    if arch not in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
         return {}
     soft = {k: (float(cfg[k]) if cfg.get(k) else None) for k in ("attn_logit_softcapping", "final_logit_softcapping")}
     return {"embedding_multiplier": float(hidden) ** 0.5, "norm_weight_offset": 1.0, "sandwich_norm": True,
@@ -215,8 +235,9 @@ def _sliding_windows(arch: str, cfg: dict[str, Any], layers: int) -> tuple[int |
     window = cfg.get("sliding_window")
     if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
         return tuple([int(window) if window else None] * layers)
-    if arch == "Gemma2ForCausalLM":  # alternating: layer_types, or transformers' default (even layers slide)
-        types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
+    if arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):  # layer_types, else transformers' default pattern
+        every = 2 if arch == "Gemma2ForCausalLM" else int(cfg.get("sliding_window_pattern") or 6)
+        types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % every else "full_attention"
                                            for i in range(layers)]
         return tuple(int(window) if window and t == "sliding_attention" else None for t in types)
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):

@@ -64,6 +64,11 @@ def make_random_checkpoint(folder: Path, arch: str, seed: int = 0, **overrides: 
     elif arch == "Gemma2ForCausalLM":  # head_dim 16 as Qwen3's; a window of 24 on the even layers
         cfg = transformers.Gemma2Config(**common, head_dim=16, query_pre_attn_scalar=24, sliding_window=24,
                                         attn_logit_softcapping=5.0, final_logit_softcapping=3.0)
+    elif arch == "Gemma3ForCausalLM":  # a local (sliding) and a global layer, each with its own RoPE
+        rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}}
+        cfg = transformers.Gemma3TextConfig(**common, head_dim=16, query_pre_attn_scalar=24, sliding_window=24,
+                                            layer_types=["sliding_attention", "full_attention"], rope_parameters=rope)
     elif arch == "GraniteForCausalLM":  # multipliers as Granite 3's, the attention's for head_dim 16
         cfg = transformers.GraniteConfig(**common, embedding_multiplier=12.0, residual_multiplier=0.22,
                                          attention_multiplier=0.2, logits_scaling=8.0, rope_theta=10000.0)

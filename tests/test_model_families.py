@@ -2,7 +2,8 @@
 
 Calibration (compiler/quant/calibration.py LayerRunner) runs the model one decoder layer at a time; it
 takes the embedding, the rotation and the layer's residual wiring from the model itself, so Granite's
-multipliers, Phi-3's partial LongRoPE rotation and OLMo 2's post-norms are calibrated on the activations
+multipliers, Phi-3's partial LongRoPE rotation, OLMo 2's post-norms and Gemma's sandwich norms, soft-capping
+and (Gemma 3) local RoPE are calibrated on the activations
 the artifact computes (checked here against the model's own forward). AWQ and SmoothQuant fold scales
 into the norm before q/k/v and gate/up, which a post-norm layer does not have: they refuse it by name.
 Logits and greedy tokens of each family against transformers: tests/test_parity.py.
@@ -28,6 +29,8 @@ FAMILIES = {
     "phi3-longrope-partial": ("Phi3ForCausalLM", {"rope_parameters": LONGROPE, "original_max_position_embeddings": 512,
                                                   "max_position_embeddings": 2048}),
     "olmo2": ("Olmo2ForCausalLM", {}),
+    "gemma2": ("Gemma2ForCausalLM", {}),
+    "gemma3": ("Gemma3ForCausalLM", {}),
 }
 
 
@@ -52,6 +55,9 @@ def test_calibration_runs_the_layers_the_artifact_computes(family: str, tmp_path
         logits = model(ids, pos, cu, torch.zeros(2, dtype=torch.int32), torch.zeros(2, 1, dtype=torch.int32),
                        torch.arange(len(ids)), *pools)[0]
         from_runner = model.lm_head(model.norm(hidden)) / info.config.logits_scaling
+        cap = info.config.final_logit_softcapping
+        if cap:
+            from_runner = torch.tanh(from_runner / cap) * cap
     torch.testing.assert_close(from_runner, logits, rtol=1e-5, atol=1e-5)
 
 

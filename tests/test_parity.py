@@ -25,8 +25,8 @@ from runtime.forward_batch import ForwardBatch
 from runtime.sampling import SamplingParams
 
 ARCHS = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GraniteForCausalLM",
-         "Olmo2ForCausalLM", "Gemma2ForCausalLM"]
-# (architecture, config overrides): the seven families, plus Mistral with a sliding window shorter
+         "Olmo2ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"]
+# (architecture, config overrides): the eight families, plus Mistral with a sliding window shorter
 # than the prompts so the window mask is exercised across chunks and blocks, and Qwen2 with YaRN
 # (Qwen2.5's long-context setting: factor 4 over a pretraining length the prompts cross)
 YARN = {"rope_theta": 10000.0, "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
@@ -42,7 +42,8 @@ VARIANTS = [(a, {}) for a in ARCHS] + [("MistralForCausalLM", {"sliding_window":
 LOGITS_TOL = 1e-3
 
 
-VARIANT_IDS = ["llama", "mistral", "qwen2", "qwen3", "granite", "olmo2", "gemma2", "mistral-sliding", "qwen2-yarn",
+VARIANT_IDS = ["llama", "mistral", "qwen2", "qwen3", "granite", "olmo2", "gemma2", "gemma3", "mistral-sliding",
+               "qwen2-yarn",
                "phi3-longrope-partial"]
 # every architecture on both CPU targets: ONNX Runtime (model.onnx) and torch (the torch.export program)
 BACKENDS = ["onnxruntime", "torch"]
@@ -79,7 +80,7 @@ def random_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
         layers = json.loads((artifact / "runtime.json").read_text())["model"]["num_layers"]
         # the fused op rotates whole heads after one QKV split: Qwen3's and OLMo 2's q/k norms and Phi's partial rotary
         # (slices and a concat around the rotation) keep optimize.PagedAttention after the graph's RoPE
-        kept = arch in ("Qwen3ForCausalLM", "Olmo2ForCausalLM") \
+        kept = arch in ("Qwen3ForCausalLM", "Olmo2ForCausalLM", "Gemma3ForCausalLM") \
             or "partial_rotary_factor" in overrides.get("rope_parameters", {})
         assert fuse["fusions"]["rotary_attention"] == (0 if kept else layers)
     return ckpt, artifact

@@ -26,13 +26,13 @@ FAMILIES = {
     "phi3": "Phi3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 
 _NON_GATED = "a non-gated MLP (fc in -> activation -> fc out; ours: gate_proj/up_proj/down_proj)"
 # model_type -> (nearest family, differences its config keys do not show)
 KNOWN: dict[str, tuple[str, list[str]]] = {
     "gemma": ("gemma2", ["RMSNorm before each branch only (gemma2: before and after)"]),
-    "gemma3_text": ("gemma2", ["q/k RMSNorm per head, (1+w)", "a second RoPE base for the sliding-window layers"]),
     "phi": ("llama", [_NON_GATED, "a bias on every projection"]),
     "mixtral": ("mistral", []),
     "qwen2_moe": ("qwen2", ["a shared expert with a sigmoid gate next to the routed experts"]),

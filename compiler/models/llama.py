@@ -31,6 +31,15 @@ from torch import nn
 from compiler.checkpoint import ModelConfig
 
 
+def local_rope_config(cfg: ModelConfig) -> ModelConfig:
+    """`cfg` with the sliding-window layers' own RoPE (Gemma 3's local base) in place of the global one."""
+    import dataclasses
+
+    if cfg.local_rope_theta is None:
+        return cfg
+    return dataclasses.replace(cfg, rope_theta=cfg.local_rope_theta, rope_scaling=cfg.local_rope_scaling)
+
+
 def rope_dim(cfg: ModelConfig) -> int:
     """Dimensions of a head that RoPE turns (partial_rotary_factor * head_dim; all by default)."""
     return cfg.rotary_dim or cfg.head_dim
@@ -185,6 +194,9 @@ class Attention(nn.Module):
         self.qk_norm = cfg.qk_norm
         self.qk_norm_full = cfg.qk_norm_full
         self.rotary_dim = rope_dim(cfg)
+        # Gemma 3: the sliding-window layers turn with their own (local) RoPE base
+        self.local_rope = cfg.local_rope_theta is not None and cfg.sliding_windows[layer] is not None
+        rope_cfg = local_rope_config(cfg) if self.local_rope else cfg
         self.softcap = cfg.attn_logit_softcapping
         if self.softcap and variant != "decomposed":
             raise ValueError(f"attention variant {variant!r} has no logit soft-capping (the decomposed path has)")
@@ -193,7 +205,7 @@ class Attention(nn.Module):
         # scales only the turned dimensions: the model scales cos/sin there); Granite's
         # attention_multiplier in place of 1/sqrt(d)
         base = cfg.attention_multiplier if cfg.attention_multiplier is not None else 1.0 / math.sqrt(self.d)
-        self.scale = (rope_attention_factor(cfg) ** 2 if rope_dim(cfg) == self.d else 1.0) * base
+        self.scale = (rope_attention_factor(rope_cfg) ** 2 if rope_dim(cfg) == self.d else 1.0) * base
 
     def forward(
         self,
@@ -356,6 +368,8 @@ class LlamaForwardBatchModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        if cfg.local_rope_theta is not None:
+            self.register_buffer("inv_freq_local", rope_inv_freq(local_rope_config(cfg)), persistent=False)
 
     def forward(
         self,
@@ -370,6 +384,8 @@ class LlamaForwardBatchModel(nn.Module):
         cfg = self.cfg
         x = self.embed(input_ids)
         cos, sin = self.rope_cos_sin(positions, x.dtype)
+        cos_l, sin_l = self.rope_cos_sin(positions, x.dtype, local=True) if cfg.local_rope_theta is not None \
+            else (cos, sin)
         ctx = AttentionContext(positions, cu_seqlens, past_lens, block_table, self.block_size, cfg.num_kv_heads,
                                indices=self.attention == "decomposed")
         new_kv: list[torch.Tensor] = []
@@ -377,7 +393,8 @@ class LlamaForwardBatchModel(nn.Module):
             kv: list[torch.Tensor] = []
 
             def attend(xn: torch.Tensor, layer: nn.Module = layer, i: int = i, kv: list = kv) -> torch.Tensor:
-                h, k, v = layer.self_attn(xn, cos, sin, ctx, kv_cache[2 * i], kv_cache[2 * i + 1])
+                c, s = (cos_l, sin_l) if layer.self_attn.local_rope else (cos, sin)
+                h, k, v = layer.self_attn(xn, c, s, ctx, kv_cache[2 * i], kv_cache[2 * i + 1])
                 kv += [k, v]
                 return h
 
@@ -396,10 +413,12 @@ class LlamaForwardBatchModel(nn.Module):
         x = self.embed_tokens(input_ids)
         return x * self.cfg.embedding_multiplier if self.cfg.embedding_multiplier != 1.0 else x
 
-    def rope_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, rotary_dim] of each token's position, in `dtype` (angles in float32)."""
-        cfg = self.cfg
-        freqs = positions.to(torch.float32).unsqueeze(1) * self.inv_freq.unsqueeze(0)
+    def rope_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype, local: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, rotary_dim] of each token's position, in `dtype` (angles in float32); `local`: the
+        sliding-window layers' RoPE (Gemma 3)."""
+        cfg = local_rope_config(self.cfg) if local else self.cfg
+        freqs = positions.to(torch.float32).unsqueeze(1) * (self.inv_freq_local if local else self.inv_freq).unsqueeze(0)
         emb = torch.cat([freqs, freqs], dim=-1)
         cos, sin = emb.cos(), emb.sin()
         if rope_dim(cfg) != cfg.head_dim and rope_attention_factor(cfg) != 1.0:  # as transformers: on cos/sin
@@ -461,3 +480,5 @@ class LlamaForwardBatchModel(nn.Module):
         """Parameters to `dtype`; the RoPE frequencies stay float32 (the angles are computed in float32)."""
         self.to(dtype)
         self.inv_freq = self.inv_freq.to(torch.float32)
+        if self.cfg.local_rope_theta is not None:
+            self.inv_freq_local = self.inv_freq_local.to(torch.float32)

@@ -135,6 +135,8 @@ class _Batch:
     actx: Any  # compiler.models.llama.AttentionContext
     k_cache: torch.Tensor
     v_cache: torch.Tensor
+    cos_local: torch.Tensor  # the sliding-window layers' rotation (Gemma 3); the same as cos elsewhere
+    sin_local: torch.Tensor
 
 
 class LayerRunner:
@@ -166,19 +168,23 @@ class LayerRunner:
                 table = torch.zeros(len(g), 1, dtype=torch.int32)
                 # as LlamaForwardBatchModel.forward computes them
                 cos, sin = model.rope_cos_sin(positions, dtype)
+                local = model.rope_cos_sin(positions, dtype, local=True) if cfg.local_rope_theta is not None \
+                    else (cos, sin)
                 actx = AttentionContext(positions, cu, past, table, model.block_size, cfg.num_kv_heads)
-                self.batches.append(_Batch(cos, sin, actx, cache, cache))
+                self.batches.append(_Batch(cos, sin, actx, cache, cache, *local))
                 self.hidden.append(model.embed(ids))
         self.num_tokens = sum(len(s) for s in seqs)
 
     def attention(self, layer: nn.Module, x: torch.Tensor, b: int) -> torch.Tensor:
         """layer.self_attn on the normalised input x of batch b (output only)."""
         bt = self.batches[b]
-        return layer.self_attn(x, bt.cos, bt.sin, bt.actx, bt.k_cache, bt.v_cache)[0]
+        cos, sin = (bt.cos_local, bt.sin_local) if layer.self_attn.local_rope else (bt.cos, bt.sin)
+        return layer.self_attn(x, cos, sin, bt.actx, bt.k_cache, bt.v_cache)[0]
 
     def attention_kv(self, layer: nn.Module, x: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         bt = self.batches[b]
-        _, k, v = layer.self_attn(x, bt.cos, bt.sin, bt.actx, bt.k_cache, bt.v_cache)
+        cos, sin = (bt.cos_local, bt.sin_local) if layer.self_attn.local_rope else (bt.cos, bt.sin)
+        _, k, v = layer.self_attn(x, cos, sin, bt.actx, bt.k_cache, bt.v_cache)
         return k, v
 
     def layer_forward(self, layer: nn.Module, x: torch.Tensor, b: int) -> torch.Tensor:
