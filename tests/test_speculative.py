@@ -206,3 +206,44 @@ def test_sampled_speculative_matches_plain_sampling(tiny_vocab_artifact: Path) -
         assert table.shape[1] >= 3
         pvalue = stats.chi2_contingency(table).pvalue
         assert pvalue > 1e-3, (j, table)
+
+
+# ---- serving: the server default, the request field, /metrics and `optimize bench` -------------
+
+
+def test_server_default_request_field_metrics_and_bench(demo_artifact: Path) -> None:
+    import asyncio
+
+    from test_server import API_KEY, ServerProcess, post
+
+    from runtime.loadgen import BenchConfig, format_table, run_bench
+
+    server = ServerProcess(demo_artifact, "--api-key", API_KEY, "--speculative", "ngram:k=4")
+    try:
+        body = {"prompt": REPETITIVE, "max_tokens": 32, "temperature": 0, "ignore_eos": True}
+        status, _, default = post(server.port, "/v1/completions", body)
+        assert status == 200
+        before = server.metrics()
+        assert before["optimize_spec_decode_draft_tokens_total"] > 0
+        status, _, off = post(server.port, "/v1/completions", {**body, "speculative": False})
+        assert status == 200 and off["choices"][0]["text"] == default["choices"][0]["text"]
+        after = server.metrics()
+        assert after["optimize_spec_decode_draft_tokens_total"] == before["optimize_spec_decode_draft_tokens_total"]
+        status, _, own = post(server.port, "/v1/completions", {**body, "speculative": {"num_tokens": 2}})
+        assert status == 200 and own["choices"][0]["text"] == default["choices"][0]["text"]
+        m = server.metrics()
+        assert 'optimize_spec_decode_acceptance_rate_per_pos{position="0"}' in m
+        assert 0 < m["optimize_spec_decode_acceptance_rate"] <= 1
+        assert m['optimize_spec_decode_accepted_tokens_per_pos_total{position="1"}'] <= \
+            m['optimize_spec_decode_accepted_tokens_per_pos_total{position="0"}']
+        status, _, err = post(server.port, "/v1/completions", {**body, "speculative": {"k": 2}})
+        assert status == 400 and err["error"]["param"] == "speculative"
+
+        cfg = BenchConfig(url=server.base, num_requests=3, concurrency=1, input_len=32, output_len=24,
+                          api_key=API_KEY, speculative="ngram:k=3")
+        report, _ = asyncio.run(run_bench(cfg))
+        spec = report["speculative"]
+        assert spec["proposed"] > 0 and spec["per_position"][0]["position"] == 0
+        assert "spec proposed / accepted" in format_table(report)
+    finally:
+        server.kill()
