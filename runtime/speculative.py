@@ -90,18 +90,32 @@ class SpeculativeConfig:
 
 def ngram_propose(tokens: Sequence[int] | np.ndarray, k: int, ngram_max: int = 3, ngram_min: int = 1) -> list[int]:
     """Up to k tokens that followed the most recent earlier occurrence of the longest suffix of `tokens`
-    (ngram_max .. ngram_min tokens long) found elsewhere in `tokens`; [] when none is found."""
+    (ngram_max .. ngram_min tokens long) found elsewhere in `tokens`; [] when none is found.
+
+    One vectorised pass: the earlier positions holding the last token are the candidate match ends, and
+    each candidate's match is extended backwards one token at a time (at most ngram_max - 1 times)."""
     arr = np.asarray(tokens, dtype=np.int64)
     size = arr.shape[0]
-    if k < 1 or size < 2:
+    longest = min(ngram_max, size - 1)
+    if k < 1 or longest < ngram_min:
         return []
-    for n in range(min(ngram_max, size - 1), ngram_min - 1, -1):
-        windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)  # every n-gram but the suffix itself
-        hits = np.flatnonzero((windows == arr[-n:]).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
-            return arr[start: start + k].tolist()
-    return []
+    ends = np.flatnonzero(arr[:-1] == arr[-1])  # matches of length 1, ending before the suffix itself
+    if ends.size == 0:
+        return []
+    length = np.ones(ends.size, np.int64)
+    alive = np.ones(ends.size, bool)
+    for m in range(1, longest):
+        idx = ends - m
+        alive &= idx >= 0
+        alive &= arr[np.maximum(idx, 0)] == arr[size - 1 - m]
+        if not alive.any():
+            break
+        length += alive
+    best = int(length.max())
+    if best < ngram_min:
+        return []
+    end = int(ends[np.flatnonzero(length == best)[-1]])  # the most recent of the longest matches
+    return arr[end + 1: end + 1 + k].tolist()
 
 
 def verify_greedy(sampler: Sampler, rows: np.ndarray, params: SamplingParams, generator: RNG,

@@ -247,3 +247,24 @@ def test_server_default_request_field_metrics_and_bench(demo_artifact: Path) -> 
         assert "spec proposed / accepted" in format_table(report)
     finally:
         server.kill()
+
+
+def test_ngram_propose_equals_its_definition_on_random_sequences() -> None:
+    """The vectorised proposer against the plain definition: for n from ngram_max down to ngram_min, the
+    most recent earlier window equal to the last n tokens, and the k tokens after it."""
+    import random
+
+    def definition(tokens: list[int], k: int, nmax: int, nmin: int) -> list[int]:
+        for n in range(min(nmax, len(tokens) - 1), nmin - 1, -1):
+            for end in range(len(tokens) - 2, n - 2, -1):
+                if tokens[end - n + 1: end + 1] == tokens[-n:]:
+                    return tokens[end + 1: end + 1 + k]
+        return []
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        vocab, size = rng.choice([2, 3, 5, 20]), rng.randint(1, 40)
+        tokens = [rng.randrange(vocab) for _ in range(size)]
+        nmax = rng.randint(1, 5)
+        k, nmin = rng.randint(1, 5), rng.randint(1, nmax)
+        assert ngram_propose(tokens, k, nmax, nmin) == definition(tokens, k, nmax, nmin), (tokens, k, nmax, nmin)
