@@ -130,6 +130,19 @@ def test_constrained_requests_do_not_speculate(demo_artifact: Path) -> None:
     engine.add_request("g", REPETITIVE, params)
     run(engine)
     assert engine.stats["spec_proposed"] == 0
+    # batched with a speculative free request: the constrained row keeps its mask, the free one its tokens
+    engine.add_request("g2", REPETITIVE, params, speculative=False)
+    alone = run(engine)
+    free = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    plain = LLMEngine(demo_artifact)
+    plain.add_request("f", REPETITIVE, free)
+    want = run(plain)["f"].token_ids  # type: ignore[attr-defined]
+    engine.add_request("g3", REPETITIVE, params)
+    engine.add_request("f", REPETITIVE, free)
+    both = run(engine)
+    assert both["f"].token_ids == want and engine.stats["spec_proposed"] > 0  # type: ignore[attr-defined]
+    assert both["g3"].text == alone["g2"].text  # type: ignore[attr-defined]
+    assert ("rectangle_width, " * 16).startswith(both["g3"].text)  # type: ignore[attr-defined]
 
 
 # ---- sampling: the target distribution ---------------------------------------------------------
