@@ -327,6 +327,9 @@ def eval_cmd(artifact: Path, data: Path, chunk_len: int, max_tokens: int | None,
                    "a tenant header set by the gateway); default: one cache shared by all requests.")
 @click.option("--cors-origin", "cors_origins", multiple=True,
               help="Allow cross-site requests from this origin (repeatable; * for any). Default: no CORS.")
+@click.option("--speculative", default=None, metavar="SPEC",
+              help="Speculative decoding for requests that do not set their `speculative` field: ngram, or "
+                   "ngram:k=4,n=3,min=1 (k proposals per step, matching the last n..min tokens). Default: off.")
 @_reference_options
 def serve(artifact: str, host: str, port: int, api_key: str | None, served_model_name: str | None,
           max_waiting: int, request_timeout: float, max_body_bytes: int, shutdown_grace: float,
@@ -381,10 +384,13 @@ def serve(artifact: str, host: str, port: int, api_key: str | None, served_model
               help="SLO for goodput, repeatable: ttft:MS, tpot:MS, e2e:MS, itl:MS.")
 @click.option("--output-json", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the report (and every request's timings) as JSON here.")
+@click.option("--speculative", default=None, metavar="SPEC",
+              help="Each request's speculative field: off, ngram or ngram:k=4,n=3,min=1 (default: the server's). "
+                   "The report shows proposals and acceptance (per draft position) from the server's /metrics.")
 def bench(url: str, endpoint: str, model: str | None, num_requests: int, concurrency: int | None,
           request_rate: float, input_len: int, output_len: int, range_ratio: float, prompt_kind: str,
           ignore_eos: bool, temperature: float, seed: int, api_key: str | None, timeout: float, warmup: int,
-          goodput: tuple[str, ...], output_json: Path | None) -> None:
+          goodput: tuple[str, ...], output_json: Path | None, speculative: str | None) -> None:
     """Load-test an OpenAI-compatible server: TTFT, ITL, TPOT, e2e percentiles, throughput, goodput."""
     import asyncio
     from dataclasses import asdict
@@ -396,7 +402,7 @@ def bench(url: str, endpoint: str, model: str | None, num_requests: int, concurr
                           concurrency=concurrency, request_rate=request_rate, input_len=input_len,
                           output_len=output_len, range_ratio=range_ratio, prompt_kind=prompt_kind,
                           ignore_eos=ignore_eos, temperature=temperature, seed=seed, api_key=api_key,
-                          timeout=timeout, warmup=warmup, goodput=parse_goodput(goodput))
+                          timeout=timeout, warmup=warmup, goodput=parse_goodput(goodput), speculative=speculative)
         cfg.validate()
         report, results = asyncio.run(run_bench(cfg))
     except (ValueError, RuntimeError, OSError) as e:

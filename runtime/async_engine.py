@@ -64,6 +64,7 @@ class GenerateRequest:
     cache_salt: str | None = None  # only requests with the same salt share prefix-cache blocks
     client: str | None = None  # the per-client admission key (None: not counted per client)
     prompt_logprobs: int | None = None  # None: none; N: each prompt token's logprob plus the top N
+    speculative: Any = None  # SpeculativeConfig | bool | None: LLMEngine.add_request's (None: the engine's default)
 
 
 @dataclass
@@ -303,6 +304,8 @@ class AsyncEngine:
                 extra: dict[str, Any] = {"cache_salt": req.cache_salt} if req.cache_salt else {}
                 if req.prompt_logprobs is not None:
                     extra["prompt_logprobs"] = req.prompt_logprobs
+                if req.speculative is not None:
+                    extra["speculative"] = req.speculative
                 self.engine.add_request(req.request_id, req.prompt_ids, req.params, arrival=req.arrival,
                                         logprobs=req.logprobs, **extra)
             except ValueError as exc:
@@ -377,6 +380,10 @@ class AsyncEngine:
             kv_blocks_free=free,
             preemptions=int(getattr(sched, "num_preemptions", 0)),
             steps=int(self.engine.stats.get("steps", 0)),
+            spec_proposed=int(self.engine.stats.get("spec_proposed", 0)),
+            spec_accepted=int(self.engine.stats.get("spec_accepted", 0)),
+            spec_position_proposed=tuple(self.engine.stats.get("spec_position_proposed", ())),
+            spec_position_accepted=tuple(self.engine.stats.get("spec_position_accepted", ())),
         )
         self.snapshot = snap
         self.metrics.set_snapshot(snap)

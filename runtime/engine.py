@@ -1,8 +1,8 @@
 """Request lifecycle: queue -> prefill (chunked) -> decode -> finish/abort, on one artifact.
 
-`LLMEngine.step()` is the whole loop: schedule, pack, run the model (while the token masks of
-grammar-constrained requests are computed on a worker thread: runtime/structured.py), sample, then
-apply stop conditions. The scheduler (runtime/core) owns the KV blocks; the backend sees only ForwardBatches.
+`LLMEngine.step()` is the whole loop: propose drafts for speculative requests (runtime/speculative.py),
+schedule, pack, run the model (while the token masks of grammar-constrained requests are computed on a
+worker thread: runtime/structured.py), sample or verify, then apply stop conditions. The scheduler (runtime/core) owns the KV blocks; the backend sees only ForwardBatches.
 `LLM` is the offline API: `LLM(artifact).generate(prompts, SamplingParams(...))`.
 """
 
@@ -26,6 +26,7 @@ import numpy as np
 from runtime.artifact import Artifact, ArtifactError
 from runtime.core import CORE_IMPL, RNG, Scheduler, SchedulerConfig
 from runtime.sampling import Sampler, SamplingParams, make_generator
+from runtime.speculative import SpeculativeConfig, ngram_propose, verify_greedy, verify_sampled
 from runtime.structured import Grammars, mask_words
 
 log = logging.getLogger(__name__)
@@ -114,6 +115,8 @@ class _Request:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # filled chunk by chunk during the prefill
     stop_logprob: TokenLogprob | None = None  # the logprob of the EOS / stop token that ended it
     grammar: Any = None  # params.structured's matcher (llguidance LLMatcher): the tokens so far consumed
+    speculative: SpeculativeConfig | None = None  # how it proposes tokens (None: plain decoding)
+    draft: list[int] = field(default_factory=list)  # this step's proposals
 
 
 def load_tokenizer(folder: Path) -> Any:
@@ -200,9 +203,15 @@ class LLMEngine:
         device: str | None = None,
         graphs: str | None = None,
         overlap_masks: bool | None = None,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         """`overlap_masks`: compute structured output's token masks on a worker thread during the forward
-        (default; OPTIMIZE_MASK_OVERLAP=0 turns it off) rather than before it on the engine thread."""
+        (default; OPTIMIZE_MASK_OVERLAP=0 turns it off) rather than before it on the engine thread.
+        `speculative`: the default of requests that do not say (`add_request(speculative=...)`); None:
+        plain decoding unless a request opts in."""
+        if speculative is not None:
+            speculative.validate()
+        self.speculative = speculative
         self.overlap_masks = overlap_masks if overlap_masks is not None else \
             os.environ.get("OPTIMIZE_MASK_OVERLAP", "1").strip() != "0"
         self.artifact = artifact if isinstance(artifact, Artifact) else Artifact.open(artifact, verify=verify)
@@ -240,7 +249,11 @@ class LLMEngine:
         self._by_seq: dict[int, _Request] = {}
         self._seq_ids = itertools.count()
         self.stats: dict[str, Any] = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "prefill_tokens": 0,
-                                      "decode_tokens": 0, "mask_wait_s": 0.0}
+                                      "decode_tokens": 0, "mask_wait_s": 0.0,
+                                      # speculative decoding: proposals verified / accepted, and per draft
+                                      # position j (0-based) how often one was verified / accepted there
+                                      "spec_steps": 0, "spec_proposed": 0, "spec_accepted": 0,
+                                      "spec_position_proposed": [], "spec_position_accepted": []}
         log.info("engine ready: %s %s, core=%s", self.artifact.name, self.artifact.version, CORE_IMPL)
 
     @property
@@ -258,14 +271,17 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     *, arrival: float | None = None, logprobs: int | None = None,
-                    cache_salt: str | None = None, prompt_logprobs: int | None = None) -> None:
+                    cache_salt: str | None = None, prompt_logprobs: int | None = None,
+                    speculative: SpeculativeConfig | bool | None = None) -> None:
         """Queue a request. `arrival`: its perf_counter() receive time (default now); `logprobs`: N
         to get each generated token's logprob plus the top N (RequestOutput.new_logprobs);
         `cache_salt`: only requests with the same salt (or none) share prefix-cache blocks;
         `prompt_logprobs`: N to get each prompt token's logprob plus the top N
         (RequestOutput.prompt_logprobs). Such a request computes its whole prompt: it neither takes
         nor offers prefix-cache blocks (a cached prefix has no logits), so its numbers do not depend
-        on what other requests left in the cache."""
+        on what other requests left in the cache. `speculative`: a SpeculativeConfig, True (the
+        engine's default config, else SpeculativeConfig()), False (plain decoding) or None (the
+        engine's default); a grammar-constrained request never speculates."""
         params = params or SamplingParams()
         for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
@@ -286,11 +302,24 @@ class LLMEngine:
             raise ValueError(f"the prompt has {len(ids)} tokens; this artifact serves at most {limit} "
                              "tokens per sequence (prompt + output), so at most "
                              f"{limit - 1} prompt tokens")
+        if speculative is True:
+            speculative = self.speculative or SpeculativeConfig()
+        elif speculative is None:
+            speculative = self.speculative
+        elif speculative is False:
+            speculative = None
+        elif isinstance(speculative, SpeculativeConfig):
+            speculative.validate()
+        else:
+            raise ValueError(f"speculative must be None, a bool or a SpeculativeConfig, got {speculative!r}")
         grammar = None if params.structured is None else self.grammars.matcher(params.structured)
+        if grammar is not None:
+            speculative = None  # proposals would need the grammar's masks at every draft position
         seq_id = next(self._seq_ids)
         req = _Request(request_id, seq_id, ids, params, make_generator(params.seed),
                        RequestMetrics(arrival=time.perf_counter() if arrival is None else arrival),
-                       num_logprobs=logprobs, num_prompt_logprobs=prompt_logprobs, grammar=grammar)
+                       num_logprobs=logprobs, num_prompt_logprobs=prompt_logprobs, grammar=grammar,
+                       speculative=speculative)
         if prompt_logprobs is not None:
             req.prompt_logprobs = [None] * len(ids)
             # a root of its own: no block of another request matches, none of its blocks is shared
@@ -320,18 +349,25 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model, sample, apply stop conditions; outputs of requests that changed."""
-        batch = self.scheduler.schedule()
+        drafts = self._propose()
+        batch = self.scheduler.schedule(drafts) if drafts else self.scheduler.schedule()
         if batch is None:
             return []
         started = time.perf_counter()
         if batch.block_copies:  # copy-on-write of shared prefix blocks this step writes into
             self.backend.copy_blocks(batch.block_copies)
         fb = self.scheduler.pack(batch)
+        sampled_entries = [e for e in batch.entries if e.needs_logits]
+        reqs = [self._by_seq[e.seq_id] for e in sampled_entries]
+        # proposals each entry verifies (the scheduler may have cut a draft to its budget and blocks)
+        ndraft = [e.start + e.num_tokens - len(r.prompt_ids) - len(r.output_ids) if r.draft else 0
+                  for e, r in zip(sampled_entries, reqs, strict=True)]
+        if any(ndraft):  # every position of a verified chunk needs its logits row
+            fb.logits_index = np.concatenate([np.arange(idx - d, idx + 1, dtype=np.int64)
+                                              for idx, d in zip(fb.logits_index.tolist(), ndraft, strict=True)])
         scored = self._prompt_rows(batch, fb)
         if scored:  # rows of prompt positions after the sampling rows, whose order is unchanged
             fb.logits_index = np.concatenate([fb.logits_index, np.asarray([row for row, _, _ in scored], np.int64)])
-        sampled_entries = [e for e in batch.entries if e.needs_logits]
-        reqs = [self._by_seq[e.seq_id] for e in sampled_entries]
         guided = [(r.grammar, k) for k, r in enumerate(reqs) if r.grammar is not None]
         masks = self._mask_rows(len(reqs), [k for _, k in guided]) if guided else None
         job = None
@@ -360,18 +396,82 @@ class LLMEngine:
             if r.metrics.first_scheduled is None:
                 r.metrics.first_scheduled = started
                 r.metrics.num_cached_tokens = e.start  # computed before its first step: prefix-cache hits
-            decode = e.num_tokens == 1 and e.start >= len(r.prompt_ids)
+            decode = (e.num_tokens == 1 or bool(r.draft)) and e.start >= len(r.prompt_ids)
             self.stats["decode_tokens" if decode else "prefill_tokens"] += e.num_tokens
-        tokens = self._sample(logits, reqs, masks) if reqs else []
-        self.scheduler.update(batch, {e.seq_id: int(t) for e, t in zip(sampled_entries, tokens, strict=True)})
+        # row k of `logits` is entry k's last row, the rows of a verified chunk are rows[k]
+        firsts = np.cumsum([0] + [d + 1 for d in ndraft])
+        if any(ndraft):
+            rows = [logits[firsts[k]: firsts[k + 1]] for k in range(len(reqs))]
+            logits = logits[firsts[1:] - 1]
+        accepted = self._sample_or_verify(logits, rows if any(ndraft) else None, reqs, ndraft, masks)
+        self.scheduler.update(batch, {e.seq_id: toks if len(toks) > 1 or ndraft[k] else toks[0]
+                                      for k, (e, toks) in enumerate(zip(sampled_entries, accepted, strict=True))})
         self.stats["steps"] += 1
         outputs = []
-        for i, (r, tok) in enumerate(zip(reqs, tokens, strict=True)):
-            lp = None if r.num_logprobs is None else _token_logprob(logits[i], int(tok), r.num_logprobs)
-            out = self._append(r, int(tok), now, lp, self._advance_grammar(r, int(tok)))
+        for k, (r, toks) in enumerate(zip(reqs, accepted, strict=True)):
+            r.draft = []
+            out = None
+            for j, tok in enumerate(toks):
+                row = rows[k][j] if ndraft[k] else logits[k]  # type: ignore[index]
+                lp = None if r.num_logprobs is None else _token_logprob(row, tok, r.num_logprobs)
+                out = self._append(r, tok, now, lp, self._advance_grammar(r, tok), emit=False)
+                if r.status.finished:
+                    break
+            out = self._output(r)
             if out is not None:
                 outputs.append(out)
         return outputs
+
+    def _propose(self) -> dict[int, list[int]]:
+        """This step's drafts (seq id -> proposed tokens) of the running speculative requests."""
+        drafts: dict[int, list[int]] = {}
+        limit = self.scheduler_config.max_model_len
+        for r in self._requests.values():
+            spec = r.speculative
+            r.draft = []
+            if spec is None or r.status is not RequestStatus.RUNNING:
+                continue
+            known = len(r.prompt_ids) + len(r.output_ids)
+            # the token after the accepted proposals is always emitted: never propose past max_tokens
+            k = min(spec.num_tokens, r.params.max_tokens - len(r.output_ids) - 1, limit - known - 1)
+            if k < 1:
+                continue
+            draft = ngram_propose(r.prompt_ids + r.output_ids, k, spec.ngram_max, spec.ngram_min)
+            if draft:
+                r.draft = draft
+                drafts[r.seq_id] = draft
+        return drafts
+
+    def _sample_or_verify(self, logits: np.ndarray, rows: list[np.ndarray] | None, reqs: list[_Request],
+                          ndraft: list[int], masks: np.ndarray | None) -> list[list[int]]:
+        """Per request: [the sampled token], or for a verified draft its accepted proposals + the next token."""
+        plain = [k for k, d in enumerate(ndraft) if not d]
+        out: list[list[int]] = [[] for _ in reqs]
+        if plain:
+            sub = plain if len(plain) < len(reqs) else slice(None)
+            picks = self._sample(logits[sub], [reqs[k] for k in plain], None if masks is None else masks[sub])
+            for k, t in zip(plain, picks, strict=True):
+                out[k] = [int(t)]
+        st = self.stats
+        for k, d in enumerate(ndraft):
+            if not d:
+                continue
+            assert rows is not None
+            r = reqs[k]
+            draft = r.draft[:d]
+            verify = verify_greedy if r.params.greedy else verify_sampled
+            out[k] = verify(self.sampler, rows[k], r.params, r.generator, r.prompt_ids, r.output_ids, draft)
+            n_acc = len(out[k]) - 1
+            st["spec_steps"] += 1
+            st["spec_proposed"] += d
+            st["spec_accepted"] += n_acc
+            for name in ("spec_position_proposed", "spec_position_accepted"):
+                if len(st[name]) < d:
+                    st[name].extend([0] * (d - len(st[name])))
+            for j in range(d):
+                st["spec_position_proposed"][j] += 1
+                st["spec_position_accepted"][j] += j < n_acc
+        return out
 
     def _prompt_rows(self, batch: Any, fb: Any) -> list[tuple[int, _Request, int]]:
         """(packed row, request, prompt position) of the step's prompt tokens whose next token is a prompt
@@ -417,7 +517,8 @@ class LLMEngine:
         return bool(r.grammar.is_stopped())
 
     def _append(self, r: _Request, tok: int, now: float, lp: TokenLogprob | None = None,
-                grammar_done: bool = False) -> RequestOutput | None:
+                grammar_done: bool = False, emit: bool = True) -> RequestOutput | None:
+        """Add one generated token and apply the stop conditions; the request's output when `emit`."""
         r.status = RequestStatus.RUNNING
         if r.metrics.first_token is None:
             r.metrics.first_token = now
@@ -449,7 +550,7 @@ class LLMEngine:
             self.scheduler.finish(r.seq_id)
             self._requests.pop(r.request_id, None)
             self._by_seq.pop(r.seq_id, None)
-        return self._output(r)
+        return self._output(r) if emit else None
 
     def _output(self, r: _Request) -> RequestOutput | None:
         finished = r.status.finished

@@ -60,6 +60,8 @@ class BenchConfig:
     timeout: float = 600.0  # seconds per request
     warmup: int = 0  # requests sent (one at a time) before measuring
     goodput: dict[str, float] = field(default_factory=dict)  # SLOs in milliseconds
+    # each request's `speculative` field: None (the server's default), "off", or "ngram[:k=N,n=N,min=N]"
+    speculative: str | None = None
 
     def validate(self) -> None:
         if self.endpoint not in ("completions", "chat"):
@@ -79,6 +81,22 @@ class BenchConfig:
         for key in self.goodput:
             if key not in ("ttft", "tpot", "e2e", "itl"):
                 raise ValueError(f"goodput SLO {key!r}: use ttft, tpot, e2e or itl")
+        if self.speculative not in (None, "off"):
+            speculative_field(self.speculative)
+
+
+def speculative_field(text: str) -> dict[str, Any]:
+    """The request's `speculative` object for "ngram" or "ngram:k=4,n=3,min=1" (the names of `optimize serve
+    --speculative`; the server checks the values; parsed here so that loadgen stays free of numpy)."""
+    method, _, rest = text.strip().partition(":")
+    names = {"k": "num_tokens", "n": "ngram_max", "min": "ngram_min"}
+    out: dict[str, Any] = {"method": method}
+    for item in filter(None, (p.strip() for p in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or key.strip() not in names or not value.strip().isdigit():
+            raise ValueError(f"speculative option {item!r}: expected k=N, n=N or min=N")
+        out[names[key.strip()]] = int(value)
+    return out
 
 
 @dataclass
@@ -146,6 +164,10 @@ def _payload(cfg: BenchConfig, model: str, prompt: str | list[int], out_len: int
                             "stream": True, "stream_options": {"include_usage": True}}
     if cfg.ignore_eos:
         body["ignore_eos"] = True
+    if cfg.speculative == "off":
+        body["speculative"] = False
+    elif cfg.speculative:
+        body["speculative"] = speculative_field(cfg.speculative)
     if cfg.endpoint == "chat":
         body["messages"] = [{"role": "user", "content": prompt}]
     else:
@@ -308,6 +330,7 @@ async def run_bench(cfg: BenchConfig) -> tuple[dict[str, Any], list[RequestResul
                 n_in, n_out = lengths[i]
                 return await _one(session, cfg, url, headers, model, n_in, n_out, prompts[i])
 
+        spec_before = await _spec_counters(session, base, headers)
         t0 = time.perf_counter()
         tasks = []
         for i in range(len(lengths)):
@@ -316,7 +339,50 @@ async def run_bench(cfg: BenchConfig) -> tuple[dict[str, Any], list[RequestResul
                 await asyncio.sleep(rng.expovariate(cfg.request_rate))
         results = list(await asyncio.gather(*tasks))
         duration = time.perf_counter() - t0
-    return summarize(cfg, results, duration, model), results
+        spec_after = await _spec_counters(session, base, headers)
+    report = summarize(cfg, results, duration, model)
+    if spec_before is not None and spec_after is not None:
+        report["speculative"] = _spec_report(spec_before, spec_after)
+    return report, results
+
+
+_SPEC_PREFIX = "optimize_spec_decode_"
+
+
+async def _spec_counters(session: Any, base: str, headers: dict[str, str]) -> dict[str, float] | None:
+    """The server's speculative-decoding counters from /metrics (name{position} -> value), or None when
+    it has none (another server, or /metrics unreachable)."""
+    from runtime.metrics import parse_prometheus
+
+    try:
+        async with session.get(f"{base}/metrics", headers=headers) as resp:
+            if resp.status != 200:
+                return None
+            text = await resp.text()
+    except Exception:  # noqa: BLE001 - any failure only means no speculative section in the report
+        return None
+    out: dict[str, float] = {}
+    for key, value in parse_prometheus(text).items():
+        name = key.split("{", 1)[0]
+        if name.startswith(_SPEC_PREFIX) and name.endswith("_total"):
+            pos = key.partition('position="')[2].partition('"')[0]
+            out[name[len(_SPEC_PREFIX):] + (f"[{pos}]" if pos else "")] = value
+    return out or None
+
+
+def _spec_report(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    """Proposals verified and accepted during the run, overall and per draft position."""
+    delta = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    proposed, accepted = int(delta.get("draft_tokens_total", 0)), int(delta.get("accepted_tokens_total", 0))
+    positions = sorted(int(k.split("[")[1][:-1]) for k in delta if k.startswith("draft_tokens_per_pos_total["))
+    per_pos = []
+    for j in positions:
+        n = int(delta.get(f"draft_tokens_per_pos_total[{j}]", 0))
+        a = int(delta.get(f"accepted_tokens_per_pos_total[{j}]", 0))
+        if n:
+            per_pos.append({"position": j, "proposed": n, "accepted": a, "acceptance_rate": a / n})
+    return {"proposed": proposed, "accepted": accepted,
+            "acceptance_rate": accepted / proposed if proposed else None, "per_position": per_pos}
 
 
 def _f(v: float | None, fmt: str = ".2f") -> str:
@@ -344,6 +410,11 @@ def format_table(report: dict[str, Any]) -> str:
         g = report["goodput"]
         slo = ", ".join(f"{k}<={v:g}ms" for k, v in g["slo_ms"].items())
         lines.append(f"{'goodput (req/s)':<28}{g['requests_per_s']:.2f}  ({g['requests_met']} met {slo})")
+    spec = report.get("speculative")
+    if spec and spec["proposed"]:
+        rates = " ".join(f"{p['acceptance_rate']:.2f}" for p in spec["per_position"])
+        lines.append(f"{'spec proposed / accepted':<28}{spec['proposed']} / {spec['accepted']}  "
+                     f"({spec['acceptance_rate']:.1%}; per position {rates})")
     lines += ["", f"{'latency (ms)':<14}{'mean':>10}{'p50':>10}{'p95':>10}{'p99':>10}{'max':>10}"]
     for key, label in (("ttft", "TTFT"), ("itl", "ITL"), ("tpot", "TPOT"), ("e2e", "E2E")):
         s = report["latency_ms"][key]

@@ -27,6 +27,12 @@ Every sample carries the artifact's constant labels (`model_name`, `model_versio
     optimize_open_connections                      gauge      HTTP connections open now
     optimize_connections_dropped_total{reason}     counter    closed by the server (header_timeout, ...)
     optimize_preemptions_total                     counter    sequences preempted (freed, recomputed)
+    optimize_spec_decode_draft_tokens_total        counter    speculative proposals verified
+    optimize_spec_decode_accepted_tokens_total     counter    of which accepted
+    optimize_spec_decode_acceptance_rate           gauge      accepted / verified since start
+    optimize_spec_decode_draft_tokens_per_pos_total{position}     counter  proposals verified at draft position
+    optimize_spec_decode_accepted_tokens_per_pos_total{position}  counter  of which accepted (position 0: first)
+    optimize_spec_decode_acceptance_rate_per_pos{position}        gauge    accepted / verified at that position
 
 Latency histograms cover requests that finished with `stop` or `length`; aborted and timed-out
 requests only count in `optimize_requests_finished_total`.
@@ -132,6 +138,22 @@ class Gauge(_Metric):
         return self.header() + [f"{self.name}{self._lbl(())} {_num(self.value)}"]
 
 
+class GaugeVec(_Metric):
+    """A gauge per label value (set from the engine's latest snapshot)."""
+
+    kind = "gauge"
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.values: dict[tuple[str, ...], float] = {}
+
+    def set(self, value: float, **labels: str) -> None:
+        self.values[self._key(labels)] = float(value)
+
+    def render(self) -> list[str]:
+        return self.header() + [f"{self.name}{self._lbl(k)} {_num(v)}" for k, v in sorted(self.values.items())]
+
+
 class Histogram(_Metric):
     """Cumulative buckets, sum and count (no labels beyond the constant ones)."""
 
@@ -173,6 +195,10 @@ class EngineSnapshot:
     kv_blocks_free: int = 0
     preemptions: int = 0  # cumulative, from the scheduler
     steps: int = 0  # engine steps run so far
+    spec_proposed: int = 0  # speculative decoding, cumulative: proposals verified
+    spec_accepted: int = 0  # of which accepted
+    spec_position_proposed: tuple[int, ...] = ()  # per draft position (0 = the first proposal)
+    spec_position_accepted: tuple[int, ...] = ()
 
 
 @dataclass
@@ -216,6 +242,17 @@ class ServingMetrics:
         self.prefix_hits = Counter(p + "prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", c)
         self.prefix_hit_rate = Gauge(p + "prefix_cache_hit_rate", "Prefix-cache hits / queries since start.", c)
         self.preemptions = Counter(p + "preemptions_total", "Sequences preempted (blocks freed, recomputed).", c)
+        self.spec_draft = Counter(p + "spec_decode_draft_tokens_total", "Speculative proposals verified.", c)
+        self.spec_accepted = Counter(p + "spec_decode_accepted_tokens_total", "Speculative proposals accepted.", c)
+        self.spec_rate = Gauge(p + "spec_decode_acceptance_rate", "Accepted / verified proposals since start.", c)
+        self.spec_draft_pos = Counter(p + "spec_decode_draft_tokens_per_pos_total",
+                                      "Speculative proposals verified, by draft position (0: first).", c, ["position"])
+        self.spec_accepted_pos = Counter(p + "spec_decode_accepted_tokens_per_pos_total",
+                                         "Speculative proposals accepted, by draft position (0: first).", c,
+                                         ["position"])
+        self.spec_rate_pos = GaugeVec(p + "spec_decode_acceptance_rate_per_pos",
+                                      "Accepted / verified proposals at each draft position since start.", c,
+                                      ["position"])
         self.open_connections = Gauge(p + "open_connections", "HTTP connections open now.", c)
         self.dropped = Counter(p + "connections_dropped_total",
                                "Connections closed by the server (slow or excess clients), by reason.", c, ["reason"])
@@ -224,7 +261,8 @@ class ServingMetrics:
             self.prompt_tokens, self.generation_tokens, self.finished, self.rejected,
             self.running, self.waiting, self.kv_used, self.kv_free, self.kv_usage,
             self.prefix_queries, self.prefix_hits, self.prefix_hit_rate, self.preemptions,
-            self.open_connections, self.dropped,
+            self.spec_draft, self.spec_accepted, self.spec_rate, self.spec_draft_pos, self.spec_accepted_pos,
+            self.spec_rate_pos, self.open_connections, self.dropped,
         ]
         for reason in ("stop", "length", "abort", "timeout"):
             self.finished.values[(reason,)] = 0.0
@@ -240,6 +278,13 @@ class ServingMetrics:
             total = s.kv_blocks_used + s.kv_blocks_free
             self.kv_usage.set(s.kv_blocks_used / total if total else 0.0)
             self.preemptions.values[()] = float(s.preemptions)
+            self.spec_draft.values[()] = float(s.spec_proposed)
+            self.spec_accepted.values[()] = float(s.spec_accepted)
+            self.spec_rate.set(s.spec_accepted / s.spec_proposed if s.spec_proposed else 0.0)
+            for j, (n, a) in enumerate(zip(s.spec_position_proposed, s.spec_position_accepted, strict=True)):
+                self.spec_draft_pos.values[(str(j),)] = float(n)
+                self.spec_accepted_pos.values[(str(j),)] = float(a)
+                self.spec_rate_pos.set(a / n if n else 0.0, position=str(j))
 
     def request_scheduled(self, prompt_tokens: int, cached_tokens: int) -> None:
         with self.lock:

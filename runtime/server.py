@@ -18,7 +18,9 @@ n..16; above n not streamed), stream, stream_options.include_usage, logprobs (co
 alternatives; chat: bool with top_logprobs 0..20), echo (completions; with logprobs the prompt's tokens
 lead the logprobs object, not streamed; max_tokens 0 with echo scores the prompt alone), and the vLLM
 extensions prompt_logprobs (0..20, not streamed), ignore_eos, stop_token_ids and cache_salt (requests
-share prefix-cache blocks only with the same salt). Logprobs are log_softmax of the model's raw logits
+share prefix-cache blocks only with the same salt), and `speculative` (true, false, or {"method": "ngram",
+"num_tokens": k, "ngram_max": n, "ngram_min": m}; absent: the server's --speculative default;
+runtime/speculative.py: exact, the same tokens greedy and the same distribution sampled). Logprobs are log_softmax of the model's raw logits
 (before temperature/top-k/top-p). presence_penalty, frequency_penalty, repetition_penalty and min_p go
 to the sampler where this runtime's SamplingParams has them (else 400 unless neutral); logit_bias,
 suffix, tools and chat's best_of are refused (400) unless neutral; other unknown fields are ignored.
@@ -103,6 +105,7 @@ from runtime.async_engine import (
 from runtime.engine import RequestOutput, TokenLogprob
 from runtime.metrics import CONTENT_TYPE, ServingMetrics
 from runtime.sampling import SamplingParams
+from runtime.speculative import SpeculativeConfig
 from runtime.structured import StructuredOutput, StructuredOutputError
 
 log = logging.getLogger(__name__)
@@ -167,6 +170,9 @@ class ServerConfig:
     # and the request's `cache_salt` field. None: one shared cache (one trust domain).
     cache_salt_header: str | None = None
     cors_origins: tuple[str, ...] = ()  # origins allowed cross-site (CORS); empty: no CORS headers
+    # Speculative decoding for requests that do not say (their `speculative` field): None: off, else the
+    # default config ("ngram", "ngram:k=4,n=3,min=1": runtime/speculative.py).
+    speculative: str | None = None
 
     def validate(self) -> None:
         if self.max_waiting < 1:  # every request waits at least until the engine's next step
@@ -184,6 +190,8 @@ class ServerConfig:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.speculative is not None:
+            SpeculativeConfig.parse(self.speculative)
 
 
 # --------------------------------------------------------------------------------------------
@@ -243,6 +251,20 @@ class APIError(Exception):
 
 def _invalid(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
     return APIError(ErrorKind.INVALID_REQUEST, message, param=param, code=code)
+
+
+def _speculative(body: dict[str, Any]) -> SpeculativeConfig | bool | None:
+    """The request's `speculative` field: absent or null (the server's default), true / false (on with the
+    server's config, else n-gram with k=4 / off), or an object {"method": "ngram", "num_tokens": k,
+    "ngram_max": n, "ngram_min": m}."""
+    value = body.get("speculative")
+    if value is None or isinstance(value, bool):
+        return value
+    try:
+        return SpeculativeConfig.from_dict(value)
+    except (TypeError, ValueError) as exc:
+        raise _invalid(f"speculative: {exc}" if not str(exc).startswith("speculative") else str(exc),
+                       "speculative") from None
 
 
 def _dumps(obj: Any) -> str:
@@ -740,7 +762,8 @@ class Server:
         artifact = Artifact.open(c.artifact, verify=True)
         engine = LLMEngine(artifact, num_blocks=c.num_kv_blocks, max_num_seqs=c.max_num_seqs,
                            max_num_batched_tokens=c.max_num_batched_tokens, max_model_len=c.max_model_len,
-                           threads=c.threads, device=c.device, graphs=c.cuda_graphs)
+                           threads=c.threads, device=c.device, graphs=c.cuda_graphs,
+                           speculative=SpeculativeConfig.parse(c.speculative) if c.speculative else None)
         self.codec = TextCodec(artifact.tokenizer_dir)
         self.chat = ChatTemplate(engine.tokenizer.config)
         self.tokenizer_config = dict(engine.tokenizer.config)
@@ -1242,14 +1265,15 @@ class Server:
         if parsed.params.structured is not None:
             await self._compile(engine, parsed.params.structured, body)
         salt = self._cache_salt(request, body)
+        speculative = _speculative(body)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        jobs = self._jobs(request, codec, parsed, rid, salt, arrival, chat)
+        jobs = self._jobs(request, codec, parsed, rid, salt, arrival, chat, speculative)
         if parsed.stream:
             return await self._stream(request, engine, jobs, parsed, rid)
         return await self._respond(request, engine, jobs, parsed, rid, chat)
 
     def _jobs(self, request: web.Request, codec: TextCodec, parsed: _Parsed, rid: str, salt: str | None,
-              arrival: float, chat: bool) -> _Jobs:
+              arrival: float, chat: bool, speculative: SpeculativeConfig | bool | None = None) -> _Jobs:
         """One engine request per sample: sample j (0 <= j < best_of, which is n unless best_of is given) of
         prompt i is job i * best_of + j. With a seed, sample j samples with seed_for(seed, j) (j = 0 keeps the
         seed itself, so n = 1 gives what a single request gives, and best_of draws the samples n = best_of
@@ -1267,7 +1291,7 @@ class Server:
                                           more=[])
                 req = GenerateRequest(rid if single else f"{rid}-{len(jobs)}", ids, params, logprobs, arrival,
                                       cache_salt=salt, client=request.remote or "",
-                                      prompt_logprobs=parsed.prompt_logprobs)
+                                      prompt_logprobs=parsed.prompt_logprobs, speculative=speculative)
                 fmt: _Format = _ChatFormat(self, rid, codec) if chat else \
                     _CompletionFormat(self, rid, codec, echo, one)
                 jobs.append((req, fmt))

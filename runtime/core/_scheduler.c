@@ -35,8 +35,11 @@
  *     anything that is not a known id is ignored. Never raises (except RuntimeError on a broken
  *     invariant).
  * finish(seq_id) -> None                   the same for a known id; ValueError otherwise.
- * schedule() -> ScheduledBatch | None      one step (see the twin): entries in packing order and
- *     the (src, dst) copy-on-write block copies to apply before the forward.
+ * schedule(drafts=None) -> ScheduledBatch | None      one step (see the twin): entries in packing
+ *     order and the (src, dst) copy-on-write block copies to apply before the forward. drafts:
+ *     None or a dict seq id -> list/tuple of token ids (speculative decoding: a decoding sequence
+ *     named there verifies a prefix of them in a chunk of 1 + d tokens; checked whole first:
+ *     TypeError / ValueError, nothing changed).
  *     Errors: RuntimeError when one sequence alone outgrows the pool; the state is then the
  *     twin's at the same point (preemptions and allocations done before the raise stay done).
  *     MemoryError: the state may be ahead of what was returned.
@@ -51,8 +54,9 @@
  *     fields (they are immutable tuples; the scheduler holds them), any other entry is parsed;
  *     both are checked the same way.
  * update(batch, next_tokens) -> None       after the forward: advance computed counts, append
- *     next_tokens[seq_id] (a mapping; ints in [0, 2**63)) to each entry that needs logits,
- *     offer newly full blocks to the prefix cache. Entries of unknown (aborted) ids are skipped.
+ *     next_tokens[seq_id] (a mapping; ints in [0, 2**63), or a list/tuple of them: accepted
+ *     draft tokens then the next one, the rest of the draft rolled back) to each entry that
+ *     needs logits, offer newly full blocks to the prefix cache. Entries of unknown (aborted) ids are skipped.
  *     Errors: ValueError (stale entry, duplicate, missing token, bad token), TypeError,
  *     RuntimeError (a sequence already at max_model_len). Everything is checked first: on error
  *     nothing changed.
@@ -85,6 +89,7 @@ typedef struct seq_s {
     int64_t nregistered; /* leading table blocks already offered to the cache */
     uint64_t root;       /* parent hash of its first block: 0, or its cache salt (prefix-cache isolation) */
     int64_t ncached;     /* prompt tokens served by the cache at the first admission; -1 before */
+    int64_t ndraft;      /* proposals verified in this step, in tokens[ntok .. ntok + ndraft) */
     int decoding;
     int running;
     uint64_t stamp; /* == the scheduler's stamp: scheduled in this step / seen in this check */
@@ -1000,6 +1005,7 @@ static int preempt(Sched *s, seq_t *q) {
     q->ncomputed = 0;
     q->nregistered = 0;
     q->decoding = 0;
+    q->ndraft = 0;
     waiting_push_front(s, q);
     s->preemptions++;
     return 0;
@@ -1010,7 +1016,7 @@ static void record_entry(Sched *s, seq_t *q, int64_t n) {
     s->e_sid[k] = q->id;
     s->e_start[k] = q->ncomputed;
     s->e_n[k] = n;
-    s->e_logits[k] = q->ncomputed + n == q->ntok;
+    s->e_logits[k] = q->ncomputed + n == q->ntok + q->ndraft;
     q->stamp = s->stamp;
 }
 
@@ -1079,8 +1085,67 @@ done:
     return result;
 }
 
-static PyObject *S_schedule(Sched *s, PyObject *Py_UNUSED(ignored)) {
-    if (check_ready(s) < 0) {
+/* schedule()'s drafts, checked whole (the twin's _check_drafts): 0, or -1 with the error set. */
+static int check_drafts(PyObject *drafts) {
+    if (drafts == Py_None) {
+        return 0;
+    }
+    if (!PyDict_Check(drafts)) {
+        PyErr_Format(PyExc_TypeError, "drafts: expected None or a dict of sequence id -> token ids, got %.100s",
+                     Py_TYPE(drafts)->tp_name);
+        return -1;
+    }
+    Py_ssize_t pos = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(drafts, &pos, &key, &value)) {
+        int64_t sid, tok;
+        if (parse_seq_id(key, &sid) < 0) {
+            return -1;
+        }
+        if (!PyList_Check(value) && !PyTuple_Check(value)) {
+            PyErr_Format(PyExc_TypeError, "drafts[%lld]: expected a list of token ids, got %.100s", (long long)sid,
+                         Py_TYPE(value)->tp_name);
+            return -1;
+        }
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(value);
+        PyObject **items = PySequence_Fast_ITEMS(value);
+        for (Py_ssize_t j = 0; j < n; j++) {
+            if (parse_token(items[j], &tok, "sequence %lld: draft token", sid) < 0) {
+                return -1;
+            }
+        }
+    }
+    return 0;
+}
+
+/* The proposals of q in drafts (a checked dict; borrowed list/tuple), or NULL (none, or an error set). */
+static PyObject *draft_of(PyObject *drafts, seq_t *q) {
+    if (drafts == Py_None || PyDict_GET_SIZE(drafts) == 0) {
+        return NULL;
+    }
+    PyObject *key = PyLong_FromLongLong(q->id);
+    if (key == NULL) {
+        return NULL;
+    }
+    PyObject *value = PyDict_GetItemWithError(drafts, key);
+    Py_DECREF(key);
+    return value;
+}
+
+/* How many proposals q (its next token's block allocated) may verify now: the twin's _draft_room. */
+static int64_t draft_room(Sched *s, seq_t *q, int64_t spare, int64_t reserve) {
+    int64_t blocks = num_free(s) - reserve;
+    blocks = blocks > 0 ? blocks : 0;
+    int64_t r = (q->ntable + blocks) * s->bs - q->ncomputed - 1;
+    r = spare < r ? spare : r;
+    int64_t by_len = s->max_len - q->ntok - 1;
+    r = by_len < r ? by_len : r;
+    return r > 0 ? r : 0;
+}
+
+static PyObject *S_schedule(Sched *s, PyObject *args) {
+    PyObject *drafts = Py_None;
+    if (check_ready(s) < 0 || !PyArg_ParseTuple(args, "|O:schedule", &drafts) || check_drafts(drafts) < 0) {
         return NULL;
     }
     int64_t budget = s->max_tokens;
@@ -1088,8 +1153,13 @@ static PyObject *S_schedule(Sched *s, PyObject *Py_UNUSED(ignored)) {
     release_last(s); /* e_* are rewritten below */
     s->ne = s->nc = 0;
     s->stamp++;
+    int64_t decoders_left = 0;
+    for (int64_t i = 0; i < s->nrunning; i++) {
+        s->running[i]->ndraft = 0;
+        decoders_left += s->running[i]->decoding != 0;
+    }
 
-    /* 1. decode: one token per decoding sequence, in order of arrival. */
+    /* 1. decode: one token per decoding sequence (plus its draft), in order of arrival. */
     int64_t nsnap = s->nrunning;
     memcpy(s->snap, s->running, (size_t)nsnap * sizeof(seq_t *));
     for (int64_t i = 0; i < nsnap; i++) {
@@ -1100,6 +1170,7 @@ static PyObject *S_schedule(Sched *s, PyObject *Py_UNUSED(ignored)) {
         if (!q->running || !q->decoding) {
             continue;
         }
+        decoders_left--;
         int64_t need = blocks_needed(s, q->ncomputed + 1) - q->ntable;
         while (need > num_free(s)) {
             seq_t *victim = newest_unscheduled(s);
@@ -1124,8 +1195,30 @@ static PyObject *S_schedule(Sched *s, PyObject *Py_UNUSED(ignored)) {
         if (seq_allocate(s, q, need) < 0) {
             return NULL;
         }
-        record_entry(s, q, 1);
-        budget -= 1;
+        PyObject *proposal = draft_of(drafts, q);
+        if (proposal == NULL && PyErr_Occurred()) {
+            return NULL;
+        }
+        if (proposal != NULL && PySequence_Fast_GET_SIZE(proposal) > 0) {
+            int64_t d = draft_room(s, q, budget - 1 - decoders_left, decoders_left);
+            int64_t have = (int64_t)PySequence_Fast_GET_SIZE(proposal);
+            d = have < d ? have : d;
+            if (grow((void **)&q->tokens, &q->captok, q->ntok + d + 1, sizeof(int64_t)) < 0) {
+                return NULL;
+            }
+            PyObject **items = PySequence_Fast_ITEMS(proposal);
+            for (int64_t j = 0; j < d; j++) {
+                if (parse_token(items[j], &q->tokens[q->ntok + j], "sequence %lld: draft token", q->id) < 0) {
+                    return NULL; /* unreachable: checked above */
+                }
+            }
+            q->ndraft = d;
+            if (seq_allocate(s, q, blocks_needed(s, q->ncomputed + 1 + d) - q->ntable) < 0) {
+                return NULL;
+            }
+        }
+        record_entry(s, q, 1 + q->ndraft);
+        budget -= 1 + q->ndraft;
     }
 
     /* 2. running sequences in the middle of their prefill (or recompute) continue. */
@@ -1299,10 +1392,11 @@ static int check_entries(Sched *s, PyObject *batch, int skip_unknown, checked_t 
                 goto fail;
             }
             q->stamp = s->stamp;
-            if (start != q->ncomputed || n > q->ntok - start || logits != (start + n == q->ntok)) {
+            const int64_t known = q->ntok + q->ndraft;
+            if (start != q->ncomputed || n > known - start || logits != (start + n == known)) {
                 PyErr_Format(PyExc_ValueError, "stale batch entry for sequence %lld: start=%lld, num_tokens=%lld, "
                              "computed=%lld, known=%lld", (long long)sid, (long long)start, (long long)n,
-                             (long long)q->ncomputed, (long long)q->ntok);
+                             (long long)q->ncomputed, (long long)known);
                 goto fail;
             }
             if (blocks_needed(s, start + n) > q->ntable) {
@@ -1356,10 +1450,11 @@ static int check_entries(Sched *s, PyObject *batch, int skip_unknown, checked_t 
         if (logits < 0) {
             goto entry_done;
         }
-        if (ov1 || ov2 || start != q->ncomputed || n < 1 || n > q->ntok - start || logits != (start + n == q->ntok)) {
+        const int64_t known = q->ntok + q->ndraft;
+        if (ov1 || ov2 || start != q->ncomputed || n < 1 || n > known - start || logits != (start + n == known)) {
             PyErr_Format(PyExc_ValueError, "stale batch entry for sequence %lld: start=%S, num_tokens=%S, "
                          "computed=%lld, known=%lld", (long long)sid, i_start, i_n, (long long)q->ncomputed,
-                         (long long)q->ntok);
+                         (long long)known);
             goto entry_done;
         }
         if (blocks_needed(s, start + n) > q->ntable) {
@@ -1456,14 +1551,23 @@ static PyObject *S_update(Sched *s, PyObject *args) {
     if (check_entries(s, batch, 1, &c, &b) < 0) {
         return NULL;
     }
-    int64_t *tokens = PyMem_Malloc((size_t)(b > 0 ? b : 1) * sizeof(int64_t));
-    if (tokens == NULL) {
-        PyMem_Free(c);
-        return PyErr_NoMemory();
+    /* entry i's new tokens: tokens[off[i] .. off[i] + m[i]) (m[i] = 0: a chunk without logits) */
+    int64_t total = 0;
+    for (Py_ssize_t i = 0; i < b; i++) {
+        total += c[i].q->ndraft + 1;
     }
+    int64_t *tokens = PyMem_Malloc((size_t)(total > 0 ? total : 1) * sizeof(int64_t));
+    int64_t *off = PyMem_Malloc((size_t)(b > 0 ? b : 1) * sizeof(int64_t));
+    int64_t *m = PyMem_Malloc((size_t)(b > 0 ? b : 1) * sizeof(int64_t));
+    if (tokens == NULL || off == NULL || m == NULL) {
+        PyErr_NoMemory();
+        goto error;
+    }
+    int64_t used = 0;
     for (Py_ssize_t i = 0; i < b; i++) {
         seq_t *q = c[i].q;
-        tokens[i] = -1;
+        off[i] = used;
+        m[i] = 0;
         if (!c[i].logits) {
             continue;
         }
@@ -1478,17 +1582,57 @@ static PyObject *S_update(Sched *s, PyObject *args) {
             }
             goto error;
         }
-        if (q->ntok >= s->max_len) {
-            Py_DECREF(value);
+        const int64_t d = q->ndraft;
+        if (PyList_Check(value) || PyTuple_Check(value)) {
+            PyObject *fast = PySequence_Fast(value, "next tokens"); /* a copy of a list: stable while parsing */
+            if (fast == NULL) {
+                Py_DECREF(value);
+                goto error;
+            }
+            Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+            PyObject **items = PySequence_Fast_ITEMS(fast);
+            for (Py_ssize_t j = 0; j < n; j++) {
+                int64_t t;
+                if (parse_token(items[j], &t, "sequence %lld: next token", q->id) < 0) {
+                    Py_DECREF(fast);
+                    Py_DECREF(value);
+                    goto error;
+                }
+                if (j <= d) {
+                    tokens[used + j] = t;
+                }
+            }
+            Py_DECREF(fast);
+            m[i] = (int64_t)n;
+        } else {
+            if (parse_token(value, &tokens[used], "sequence %lld: next token", q->id) < 0) {
+                Py_DECREF(value);
+                goto error;
+            }
+            m[i] = 1;
+        }
+        Py_DECREF(value);
+        if (m[i] < 1 || m[i] > d + 1) {
+            PyErr_Format(PyExc_ValueError, "sequence %lld: %lld next tokens after a draft of %lld; expected 1 to %lld",
+                         (long long)q->id, (long long)m[i], (long long)d, (long long)(d + 1));
+            goto error;
+        }
+        for (int64_t j = 0; j + 1 < m[i]; j++) {
+            if (tokens[used + j] != q->tokens[q->ntok + j]) {
+                PyErr_Format(PyExc_ValueError, "sequence %lld: the accepted tokens must be a prefix of its draft",
+                             (long long)q->id);
+                goto error;
+            }
+        }
+        if (q->ntok + m[i] > s->max_len) {
             PyErr_Format(PyExc_RuntimeError, "sequence %lld already has max_model_len=%lld tokens; the engine "
                          "must finish it", (long long)q->id, (long long)s->max_len);
             goto error;
         }
-        int rc = parse_token(value, &tokens[i], "sequence %lld: next token", q->id);
-        Py_DECREF(value);
-        if (rc < 0 || grow((void **)&q->tokens, &q->captok, q->ntok + 1, sizeof(int64_t)) < 0) {
+        if (grow((void **)&q->tokens, &q->captok, q->ntok + m[i] + 1, sizeof(int64_t)) < 0) {
             goto error;
         }
+        used += m[i];
     }
     for (Py_ssize_t i = 0; i < b; i++) { /* memo room for the hashes of newly full blocks */
         seq_t *q = c[i].q;
@@ -1499,20 +1643,38 @@ static PyObject *S_update(Sched *s, PyObject *args) {
     }
     for (Py_ssize_t i = 0; i < b; i++) {
         seq_t *q = c[i].q;
-        q->ncomputed += c[i].n;
-        if (tokens[i] >= 0) {
-            q->tokens[q->ntok++] = tokens[i];
+        const int64_t d = q->ndraft;
+        q->ncomputed += m[i] ? c[i].n - (d + 1 - m[i]) : c[i].n; /* rejected proposals are not computed */
+        if (m[i]) {
+            memcpy(q->tokens + q->ntok, tokens + off[i], (size_t)m[i] * sizeof(int64_t));
+            q->ntok += m[i];
             q->decoding = 1;
+        }
+        if (d) {
+            q->ndraft = 0;
+            const int64_t keep = blocks_needed(s, q->ntok);
+            for (int64_t j = q->ntable - 1; j >= keep; j--) { /* blocks that held only rejected proposals */
+                if (block_release(s, q->table[j]) < 0) {
+                    goto error;
+                }
+            }
+            if (q->ntable > keep) {
+                q->ntable = keep;
+            }
         }
         if (s->caching && register_full_blocks(s, q) < 0) {
             goto error;
         }
     }
     PyMem_Free(tokens);
+    PyMem_Free(off);
+    PyMem_Free(m);
     PyMem_Free(c);
     Py_RETURN_NONE;
 error:
     PyMem_Free(tokens);
+    PyMem_Free(off);
+    PyMem_Free(m);
     PyMem_Free(c);
     return NULL;
 }
@@ -1682,7 +1844,8 @@ static PyMethodDef S_methods[] = {
      "(a cache salt: only sequences with the same root share prefix-cache blocks)."},
     {"abort", (PyCFunction)S_abort, METH_O, "abort(seq_id): drop a request, free its blocks; unknown ids ignored."},
     {"finish", (PyCFunction)S_finish, METH_O, "finish(seq_id): the engine is done with a sequence."},
-    {"schedule", (PyCFunction)S_schedule, METH_NOARGS, "schedule() -> ScheduledBatch | None: one step."},
+    {"schedule", (PyCFunction)S_schedule, METH_VARARGS,
+     "schedule(drafts=None) -> ScheduledBatch | None: one step; drafts: seq id -> proposed tokens."},
     {"_pack", (PyCFunction)S_pack, METH_O, "_pack(batch) -> (T, B, max_blocks, num_logits): fill the buffers."},
     {"update", (PyCFunction)S_update, METH_VARARGS, "update(batch, next_tokens): after the forward."},
     {"has_unfinished", (PyCFunction)S_has_unfinished, METH_NOARGS, "has_unfinished() -> bool"},

@@ -25,6 +25,22 @@ Index arithmetic of one sequence in one step (block_size = 4, `start` = tokens a
 After a preemption a sequence's blocks are freed and `computed` drops to 0: its next chunks
 recompute prompt + generated tokens (up to L), and only the chunk reaching L needs logits.
 
+Speculative verification (`schedule(drafts)`). A decoding sequence given d proposed tokens runs
+them after its last token in one chunk of 1 + d tokens, all needing logits (the engine asks for
+every row of the chunk); the proposals are this step's *draft*, not known tokens:
+
+    position     ..  7   8   9   10  11               L = 8 (g0 at 7 sampled, not computed)
+    token        ..  g0  x1  x2  x3                   draft = [x1, x2, x3], start = 7, n = 4
+    needs_logits  <=>  start + n == L + d
+
+`update(batch, {seq: [x1, t]})` then says the first proposal was accepted and `t` comes next:
+the tokens become .. g0 x1 t (L = 10), computed = start + 2 (g0 and x1; the K/V written for x2
+and x3 are garbage that the next chunks overwrite), and blocks past ceil(L / block_size) go
+back to the pool. Only tokens below the new computed count are ever registered in the prefix
+cache, so a rejected proposal never reaches it. A draft never costs a preemption: it is cut to
+the step's spare budget (one token is kept for each decoding sequence after it), to the free
+blocks beyond one per such sequence, and so that L + d + 1 <= max_model_len.
+
 Prefix caching. A block is *cached* once it is full and its K/V are computed (registered in
 `update()`, after the model ran, never before: the graph reads past K/V from the pool, so a
 block being written in this very step must not be offered to another sequence). Its key is a
@@ -342,6 +358,7 @@ class _Sequence:
     num_registered: int = 0  # leading blocks of block_table already offered to the prefix cache
     num_cached: int | None = None  # prompt tokens served by the prefix cache at its first admission
     root: int = 0  # parent hash of its first block: 0, or its cache salt (prefix-cache isolation)
+    draft: list[int] = field(default_factory=list)  # proposals verified in this step (speculative decoding)
 
     @property
     def num_to_compute(self) -> int:
@@ -512,21 +529,30 @@ class Scheduler:
 
     # ---- one step -----------------------------------------------------------------------
 
-    def schedule(self) -> ScheduledBatch | None:
-        """Pick this step's chunks; None when nothing runs."""
+    def schedule(self, drafts: dict[int, Sequence[int]] | None = None) -> ScheduledBatch | None:
+        """Pick this step's chunks; None when nothing runs.
+
+        `drafts`: seq id -> proposed tokens (speculative decoding): a decoding sequence named there
+        verifies (a prefix of) its proposals in this step (see the module doc); other ids are ignored.
+        """
         budget = self.config.max_num_batched_tokens
         bm = self.block_manager
         entries: list[BatchEntry] = []
         copies: list[tuple[int, int]] = []
         scheduled: set[int] = set()
         preempted = False
+        proposals = _check_drafts(drafts)
+        for seq in self._running:
+            seq.draft = []
+        decoders_left = sum(1 for seq in self._running if seq.decoding)
 
-        # 1. decode: one token per decoding sequence, in order of arrival.
+        # 1. decode: one token per decoding sequence (plus its draft), in order of arrival.
         for seq in list(self._running):
             if budget == 0:
                 break
             if seq not in self._running or not seq.decoding:
                 continue  # preempted earlier in this loop, or still prefilling
+            decoders_left -= 1
             need = bm.blocks_needed(seq.num_computed + 1) - len(seq.block_table)
             while not bm.can_allocate(need):
                 victim = self._newest_unscheduled(scheduled)
@@ -539,9 +565,14 @@ class Scheduler:
             if seq not in self._running:
                 continue
             seq.block_table += bm.allocate(need)
-            entries.append(self._entry(seq, 1))
+            proposal = proposals.get(seq.seq_id) if proposals else None
+            if proposal:
+                seq.draft = proposal[: self._draft_room(seq, budget - 1 - decoders_left, decoders_left)]
+                seq.block_table += bm.allocate(bm.blocks_needed(seq.num_computed + 1 + len(seq.draft))
+                                               - len(seq.block_table))
+            entries.append(self._entry(seq, 1 + len(seq.draft)))
             scheduled.add(seq.seq_id)
-            budget -= 1
+            budget -= 1 + len(seq.draft)
 
         # 2. running sequences in the middle of their prefill (or recompute) continue.
         for seq in list(self._running):
@@ -604,6 +635,14 @@ class Scheduler:
             return None
         return ScheduledBatch(entries, copies)
 
+    def _draft_room(self, seq: _Sequence, spare: int, reserve: int) -> int:
+        """How many proposals a decoding sequence (its next token's block allocated) may verify now: at
+        most `spare` tokens of budget, blocks while `reserve` stay free, and L + d + 1 <= max_model_len."""
+        bs = self.config.block_size
+        blocks = max(0, self.block_manager.num_free - reserve)
+        by_blocks = (len(seq.block_table) + blocks) * bs - seq.num_computed - 1
+        return max(0, min(spare, by_blocks, self.config.max_model_len - len(seq.token_ids) - 1))
+
     def _cache_lookup(self, seq: _Sequence) -> tuple[list[int], int | None, int]:
         """(hit blocks, copy-on-write source or None, cached tokens) for a waiting sequence; no effects.
 
@@ -653,7 +692,8 @@ class Scheduler:
         seq.num_registered = max(seq.num_registered, full)
 
     def _entry(self, seq: _Sequence, n: int) -> BatchEntry:
-        return BatchEntry(seq.seq_id, seq.num_computed, n, seq.num_computed + n == len(seq.token_ids))
+        known = len(seq.token_ids) + len(seq.draft)
+        return BatchEntry(seq.seq_id, seq.num_computed, n, seq.num_computed + n == known)
 
     def _fit_chunk(self, seq: _Sequence, n: int) -> int:
         """The longest chunk of at most `n` tokens that its blocks plus the free ones can hold."""
@@ -675,6 +715,7 @@ class Scheduler:
         seq.num_computed = 0
         seq.num_registered = 0
         seq.decoding = False
+        seq.draft = []
         self._waiting.appendleft(seq)
         self.num_preemptions += 1
 
@@ -702,10 +743,11 @@ class Scheduler:
                 raise ValueError(f"sequence {sid} appears twice in the batch")
             seen.add(sid)
             start, n = operator.index(e.start), operator.index(e.num_tokens)
-            if (start != seq.num_computed or n < 1 or start + n > len(seq.token_ids)
-                    or bool(e.needs_logits) != (start + n == len(seq.token_ids))):
+            known = len(seq.token_ids) + len(seq.draft)
+            if (start != seq.num_computed or n < 1 or start + n > known
+                    or bool(e.needs_logits) != (start + n == known)):
                 raise ValueError(f"stale batch entry for sequence {sid}: start={start}, "
-                                 f"num_tokens={n}, computed={seq.num_computed}, known={len(seq.token_ids)}")
+                                 f"num_tokens={n}, computed={seq.num_computed}, known={known}")
             if -(-(start + n) // cfg.block_size) > len(seq.block_table):
                 raise ValueError(f"sequence {sid} holds {len(seq.block_table)} blocks; the entry needs "
                                  f"{-(-(start + n) // cfg.block_size)}")
@@ -736,7 +778,7 @@ class Scheduler:
             lo, hi = e.start, e.start + e.num_tokens
             table = np.asarray(seq.block_table[: needed[i]], np.int64)
             pos = np.arange(lo, hi, dtype=np.int64)
-            input_ids[off: off + e.num_tokens] = seq.token_ids[lo:hi]
+            input_ids[off: off + e.num_tokens] = (seq.token_ids + seq.draft)[lo:hi]
             positions[off: off + e.num_tokens] = pos
             slot_mapping[off: off + e.num_tokens] = table[pos // bs] * bs + pos % bs
             block_table[i, : needed[i]] = table
@@ -748,34 +790,70 @@ class Scheduler:
         return ForwardBatch(input_ids, positions, cu_seqlens, past_lens, block_table, slot_mapping,
                             np.asarray(logits_index, np.int64))
 
-    def update(self, batch: ScheduledBatch, next_tokens: dict[int, int]) -> None:
+    def update(self, batch: ScheduledBatch, next_tokens: dict[int, int | Sequence[int]]) -> None:
         """After the model ran: advance each entry's computed count; append sampled tokens; offer
         newly full blocks to the prefix cache.
 
-        Entries of sequences aborted since `schedule()` are skipped. A sequence must be finished by
-        the engine once it holds `max_model_len` tokens; appending past that raises RuntimeError.
+        next_tokens[seq_id]: the next token, or a list of tokens: for a sequence that verified a
+        draft of d proposals, its first m - 1 accepted proposals then the token after them
+        (1 <= m <= d + 1); the rest of the draft is rolled back (module doc). Entries of sequences
+        aborted since `schedule()` are skipped. A sequence must be finished by the engine once it
+        holds `max_model_len` tokens; appending past that raises RuntimeError.
         Everything is checked before anything changes: on error the scheduler is as before.
         """
-        todo: list[tuple[_Sequence, int, int | None]] = []
+        todo: list[tuple[_Sequence, int, list[int]]] = []
         for e, seq in self._check_entries(batch, skip_unknown=True):
-            token = None
+            tokens: list[int] = []
+            n = operator.index(e.num_tokens)
             if e.needs_logits:
                 try:
                     value = next_tokens[seq.seq_id]
                 except KeyError:
                     raise ValueError(f"sequence {seq.seq_id} got logits in this step but no next token") from None
-                if len(seq.token_ids) >= self.config.max_model_len:
+                what = f"sequence {seq.seq_id}: next token"
+                if isinstance(value, list | tuple):
+                    tokens = [_token(t, what) for t in value]
+                else:
+                    tokens = [_token(value, what)]
+                d = len(seq.draft)
+                if not 1 <= len(tokens) <= d + 1:
+                    raise ValueError(f"sequence {seq.seq_id}: {len(tokens)} next tokens after a draft of {d}; "
+                                     f"expected 1 to {d + 1}")
+                if tokens[:-1] != seq.draft[: len(tokens) - 1]:
+                    raise ValueError(f"sequence {seq.seq_id}: the accepted tokens must be a prefix of its draft")
+                if len(seq.token_ids) + len(tokens) > self.config.max_model_len:
                     raise RuntimeError(f"sequence {seq.seq_id} already has max_model_len="
                                        f"{self.config.max_model_len} tokens; the engine must finish it")
-                token = _token(value, f"sequence {seq.seq_id}: next token")
-            todo.append((seq, operator.index(e.num_tokens), token))
-        for seq, n, token in todo:
+                n -= d + 1 - len(tokens)  # the rejected proposals are not computed
+            todo.append((seq, n, tokens))
+        for seq, n, tokens in todo:
             seq.num_computed += n
-            if token is not None:
-                seq.token_ids.append(token)
+            if tokens:
+                seq.token_ids += tokens
                 seq.decoding = True
+            if seq.draft:
+                seq.draft = []
+                keep = self.block_manager.blocks_needed(len(seq.token_ids))
+                if len(seq.block_table) > keep:  # blocks that held only rejected proposals
+                    self.block_manager.free(seq.block_table[keep:])
+                    del seq.block_table[keep:]
             if self._caching:
                 self._register_full_blocks(seq)
+
+
+def _check_drafts(drafts: object) -> dict[int, list[int]]:
+    """schedule()'s `drafts`, checked whole before anything changes: None or a dict of seq id -> tokens."""
+    if drafts is None:
+        return {}
+    if not isinstance(drafts, dict):
+        raise TypeError(f"drafts: expected None or a dict of sequence id -> token ids, got {type(drafts).__name__}")
+    out: dict[int, list[int]] = {}
+    for key, value in drafts.items():
+        sid = _seq_id(key)
+        if not isinstance(value, list | tuple):
+            raise TypeError(f"drafts[{sid}]: expected a list of token ids, got {type(value).__name__}")
+        out[sid] = [_token(t, f"sequence {sid}: draft token") for t in value]
+    return out
 
 
 # --------------------------------------------------------------------------------------------
