@@ -54,6 +54,22 @@ def unfused_demo(out: Path) -> Path:
     return path
 
 
+def gate_subset(recipe: Path, out: Path, tokens: int) -> Path:
+    """A copy of `recipe` under `out` (absolute paths) whose gate scores the first `tokens` eval tokens and
+    has no perplexity-change bound: this bench measures the change on the whole file itself, and a
+    subset's interval could not judge the example recipes' bounds (KL and agreement bounds stay)."""
+    text = recipe.read_text(encoding="utf-8").replace("../models/", f"{ROOT}/models/")
+    text = text.replace("output: ../artifacts", f"output: {out}")
+    lines = [ln for ln in text.splitlines() if not ln.strip().startswith(("max_perplexity_increase_pct:",
+                                                                           "max_eval_tokens:"))]
+    at = next(i for i, ln in enumerate(lines) if ln.strip().startswith("eval_data:"))
+    lines.insert(at + 1, f"  max_eval_tokens: {tokens}")
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"gate-{tokens}-{recipe.name}"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
 def weight_bytes(artifact: Path) -> tuple[int, int]:
     """(bytes of the quantized Linear weights incl. scales/zeros, their fp32 bytes) from the manifest."""
     manifest = json.loads((artifact / "manifest.json").read_text())
@@ -112,6 +128,9 @@ def main() -> None:
     ap.add_argument("--reuse", action="store_true", help="reuse artifacts already built under --out")
     ap.add_argument("--rounds", type=int, default=5, help="decode-speed rounds (0: no decode measurement)")
     ap.add_argument("--max-tokens", type=int, default=None, help="score only the first N eval tokens (default: all)")
+    ap.add_argument("--gate-tokens", type=int, default=None,
+                    help="build copies of the recipes whose gate scores N tokens, without its change bound "
+                         "(faster builds; default: the recipes as they are)")
     ap.add_argument("--only", nargs="*", help="methods to run (names as in the table)")
     ap.add_argument("--json", type=Path, default=ROOT / "bench/results/quant.json")
     args = ap.parse_args()
@@ -129,6 +148,8 @@ def main() -> None:
         recipe = ROOT / "recipes" / recipe_file
         if recipe_file == "demo.yaml":  # the same pass list as the quantization recipes: no fusion
             recipe = unfused_demo(args.out)
+        if args.gate_tokens:
+            recipe = gate_subset(recipe, args.out, args.gate_tokens)
         p = plan(recipe)
         artifact = args.out / p.recipe.name / p.recipe.version
         if not (args.reuse and (artifact / "manifest.json").is_file()):

@@ -241,7 +241,9 @@ def test_calibration_file_must_exist(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("method,options", [
     ("awq", "      group_size: 32\n      n_grid: 10\n      clip: true\n"),
+    ("awq", "      group_size: 32\n      n_grid: 10\n      sequential: true\n      duo_scaling: both\n"),
     ("gptq", "      group_size: 32\n      act_order: true\n"),
+    ("gptq", "      group_size: 32\n      act_order: true\n      range_search: true\n"),
 ])
 def test_same_recipe_and_calibration_give_byte_identical_quantized_weights(small: tuple[Path, Path], method: str,
                                                                           options: str) -> None:
@@ -255,7 +257,7 @@ def test_same_recipe_and_calibration_give_byte_identical_quantized_weights(small
     from compiler.quant.int4 import pack_matmulnbits
 
     folder, ckpt = small
-    recipe = _small_recipe(folder, ckpt, f"identical-{method}",
+    recipe = _small_recipe(folder, ckpt, f"identical-{method}-{len(options)}",
                            f"  - name: capture\n  - name: quantize_{method}\n    options:\n{options}"
                            "  - name: lower_onnx\n  - name: lower_quant\n  - name: package\n")
     artifact = build(recipe, progress=False)

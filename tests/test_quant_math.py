@@ -244,3 +244,33 @@ def test_jsonl_calibration_joins_the_text_field(tmp_path: Path) -> None:
     with pytest.raises(BuildError, match=r"c.jsonl:2: invalid JSON"):
         read_text(f, "text")
 
+
+def test_range_search_never_loses_to_min_max_and_shrinks_outlier_groups() -> None:
+    """search_range tries p = 1 first (the min/max range), so its |Q(w) - w|^2.4 per row is at most
+    min/max's; a row with one large outlier gets a shrunk range (a smaller scale)."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(16, 128, generator=g, dtype=torch.float64)
+    w[3, 5] = 12.0
+    scale, zero = int4.search_range(w)
+    s0, z0 = int4.params_from_range(w.amin(1), w.amax(1))
+
+    def err(s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        s, z = s.double().unsqueeze(1), z.double().unsqueeze(1)
+        return (int4.dequantize_codes(int4.quantize_codes(w, s, z), s, z) - w).abs().pow(2.4).sum(1)
+
+    assert bool((err(scale, zero) <= err(s0, z0) + 1e-12).all())
+    assert float(err(scale, zero).sum()) < float(err(s0, z0).sum())
+    assert scale[3] < s0[3]
+    q, _ = gptq.gptq_quantize(w.float(), torch.eye(128, dtype=torch.float64), 128, range_search=True)
+    assert q.codes.max() <= 15 and q.scales.shape == (16, 1)
+
+
+def test_rescaling_rows_of_an_int4_weight_is_exact() -> None:
+    """Sequential AWQ folds a later group's scale into the rows of an already quantized Linear (v before o,
+    up before down): the codes and zero points stay, the scales of row c are divided by s[c]."""
+    w = torch.randn(8, 256, generator=torch.Generator().manual_seed(1))
+    q = int4.quantize_rtn(w, 128)
+    s = torch.linspace(0.5, 2.0, 8)
+    r = awq.rescale_rows(q, s)
+    assert np.array_equal(r.codes, q.codes) and np.array_equal(r.zeros, q.zeros)
+    torch.testing.assert_close(r.dequantize(), q.dequantize() / s.view(-1, 1), rtol=1e-6, atol=1e-7)
