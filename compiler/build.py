@@ -189,14 +189,32 @@ class QualityGateError(BuildError):
         self.table = table
 
 
+# The gate's evaluation size when the recipe leaves quality.max_eval_tokens unset ("auto"): a pilot of
+# PILOT_CHUNKS chunks (8,192 tokens), then as many chunks as make the standard error of the perplexity
+# change at most bound / (TARGET_HALF_WIDTHS * z), i.e. the 95 % interval's half-width a quarter of the
+# bound (Stein's two-stage rule: the pilot's sd sizes the sample), up to the whole eval text.
+CHUNK_LEN = 256
+PILOT_CHUNKS = 32
+TARGET_HALF_WIDTHS = 4
+
+
 def quality_gate(ctx: BuildContext) -> dict[str, Any]:
     """Evaluate the staged artifact on the recipe's held-out text; raise when a bound is missed.
 
     Perplexity of the artifact (through the runtime); against the unoptimised model definition
-    (torch, fp32, before any quantize pass) on the same chunks: its perplexity, the mean KL divergence
-    of the next-token distributions, and greedy-token agreement over fixed prompts, decoded step by
-    step through the runtime's KV cache along the unoptimised model's greedy continuation.
+    (torch, fp32, before any quantize pass) on the same chunks: its perplexity, the change of
+    perplexity with a standard error from the paired per-chunk differences and a 95 % interval
+    (runtime.evaluate.paired_delta), the mean KL divergence of the next-token distributions, and
+    greedy-token agreement over fixed prompts, decoded step by step through the runtime's KV cache
+    along the unoptimised model's greedy continuation.
+
+    The perplexity-change bound is decided on the interval (`decide_interval`): within when the
+    whole interval is at or below the bound, exceeded when all of it is above, and otherwise not
+    judged with the data given, which fails the build too (the artifact is not shown to meet it).
+    The other bounds compare point values.
     """
+    from runtime.evaluate import chunk_tokens
+
     q = ctx.recipe.quality
     if q.eval_data is None:
         return {"evaluated": False, "reason": "the recipe names no quality.eval_data"}
@@ -207,40 +225,65 @@ def quality_gate(ctx: BuildContext) -> dict[str, Any]:
         return {"evaluated": False, "reason": why_not}
     engine = LLMEngine(ctx.staging, verify=True, device=device)
     reference = _fp32_reference(ctx)
+    if reference is None and (q.max_perplexity_increase_pct is not None or q.max_kl_divergence is not None
+                              or q.min_token_agreement is not None):
+        raise BuildError("quality gate: the recipe bounds a comparison with the unoptimised model, "
+                         "but no pass produced it (capture)")
     ids = engine.tokenizer.encode(Path(q.eval_data).read_text(encoding="utf-8"), add_special_tokens=False)
+    chunks = chunk_tokens(ids, CHUNK_LEN, q.max_eval_tokens)
+    if not chunks:
+        raise BuildError(f"quality gate: the eval text has {len(ids)} tokens, fewer than one chunk of {CHUNK_LEN}")
     compare = _Comparison(engine.backend, reference)
-    result = compare.perplexity(ids, q.max_eval_tokens)
+    bound = q.max_perplexity_increase_pct if reference is not None else None
+    if q.max_eval_tokens is not None:
+        compare.score(chunks)
+        sizing: dict[str, Any] = {"rule": "recipe: quality.max_eval_tokens", "chunks": len(chunks)}
+    else:
+        compare.score(chunks[:PILOT_CHUNKS])
+        n, sizing = eval_size(compare.delta() if reference is not None else None, bound, len(chunks))
+        compare.score(chunks[PILOT_CHUNKS:n])
+    result = compare.result(min(len(ids), compare.chunks * CHUNK_LEN))
     metrics: dict[str, Any] = {
         "eval_data": ctx.recipe.as_dict().get("quality", {}).get("eval_data"),
         "perplexity": _round(result.perplexity),
         "mean_nll": _round(result.mean_nll),
-        "eval_tokens": result.tokens,
+        "eval_tokens": result.chunks * CHUNK_LEN,
+        "eval_chunks": result.chunks,
         "predictions": result.predictions,
+        "eval_size": {k: _round(v) if isinstance(v, float) else v for k, v in sizing.items()},
     }
     bounds: dict[str, float] = {}
     table: list[tuple[str, float, float, bool]] = []
+    notes: dict[str, str] = {}
     if q.max_perplexity is not None:
         bounds["max_perplexity"] = q.max_perplexity
         table.append(("perplexity", result.perplexity, q.max_perplexity, result.perplexity <= q.max_perplexity))
     if reference is not None:
         ref = compare.reference_perplexity()
-        inc = 100.0 * (result.perplexity / ref - 1.0)
+        delta = compare.delta()
+        lo, hi = delta.ci_pct
         kl = compare.mean_kl()
         prompts = _agreement_prompts(q, engine.tokenizer, ids)
         agreement, decode_kl = token_agreement(engine.backend, reference, prompts, q.agreement_tokens)
         metrics.update({
             "reference_perplexity": _round(ref),
-            "perplexity_increase_pct": _round(inc, 4),
+            "perplexity_increase_pct": _round(delta.pct, 4),
+            "perplexity_increase_se_pct": _round(delta.se_pct, 4),
+            "perplexity_increase_ci_pct": [_round(lo, 4), _round(hi, 4)],
+            "perplexity_increase_z": round(delta.z, 4),
             "kl_divergence": _round(kl, 4),
             "token_agreement": _round(agreement, 6),
             "decode_kl_divergence": _round(decode_kl, 4),
             "agreement_prompts": len(prompts),
             "agreement_tokens": q.agreement_tokens,
         })
-        if q.max_perplexity_increase_pct is not None:
-            bounds["max_perplexity_increase_pct"] = q.max_perplexity_increase_pct
-            table.append(("perplexity increase %", inc, q.max_perplexity_increase_pct,
-                          inc <= q.max_perplexity_increase_pct))
+        if bound is not None:
+            bounds["max_perplexity_increase_pct"] = bound
+            verdict = decide_interval(lo, hi, bound)
+            metrics["perplexity_increase_verdict"] = verdict
+            notes["perplexity increase %"] = (f"{delta.pct:+.4f} +- {delta.se_pct:.4f} (se), 95% interval "
+                                              f"[{lo:+.4f}, {hi:+.4f}]: {VERDICTS[verdict]}")
+            table.append(("perplexity increase %", delta.pct, bound, verdict == "within"))
         if q.max_kl_divergence is not None:
             bounds["max_kl_divergence"] = q.max_kl_divergence
             table.append(("KL divergence", kl, q.max_kl_divergence, kl <= q.max_kl_divergence))
@@ -248,17 +291,62 @@ def quality_gate(ctx: BuildContext) -> dict[str, Any]:
             bounds["min_token_agreement"] = q.min_token_agreement
             table.append(("token agreement (min)", agreement, q.min_token_agreement,
                           agreement >= q.min_token_agreement))
-    elif q.max_perplexity_increase_pct is not None or q.max_kl_divergence is not None \
-            or q.min_token_agreement is not None:
-        raise BuildError("quality gate: the recipe bounds a comparison with the unoptimised model, "
-                         "but no pass produced it (capture)")
     passed = all(ok for *_, ok in table)
     out = {"evaluated": True, "device": device, "metrics": metrics, "bounds": bounds, "passed": passed}
     if not passed:
         rows = "\n".join(f"  {name:<24} measured {_fmt(m)}  allowed {_fmt(a)}  {'ok' if ok else 'FAILED'}"
+                         + (f"  {notes[name]}" if name in notes else "")
                          for name, m, a, ok in table)
         raise QualityGateError(f"quality gate failed:\n{rows}", table)
     return out
+
+
+VERDICTS = {
+    "within": "the whole interval is within the bound",
+    "exceeded": "the whole interval is above the bound",
+    "undecided": "the interval contains the bound: it cannot be judged with the data given "
+                 "(evaluate more tokens: quality.max_eval_tokens, or a longer eval text)",
+}
+
+
+def decide_interval(low: float, high: float, bound: float) -> str:
+    """The gate's rule for an upper bound on a measured change with interval [low, high]: "within" when
+    high <= bound (passes), "exceeded" when low > bound, else "undecided" (fails: not shown within)."""
+    if high <= bound:
+        return "within"
+    if low > bound:
+        return "exceeded"
+    return "undecided"
+
+
+def eval_size(pilot: Any, bound: float | None, available: int) -> tuple[int, dict[str, Any]]:
+    """Chunks the gate evaluates when the recipe does not fix quality.max_eval_tokens.
+
+    `pilot` is the PairedDelta of the first min(PILOT_CHUNKS, available) chunks (None without a
+    reference). With a perplexity-change bound B > 0: the standard error aimed at is
+    B / (TARGET_HALF_WIDTHS z) and the chunks needed (sd_pilot / target)^2, at least the pilot and at
+    most `available`; when more are needed than the text has, the record says so (the gate then
+    decides with the se it has). Without a bound: the pilot alone."""
+    first = min(PILOT_CHUNKS, available)
+    if pilot is None or bound is None:
+        return first, {"rule": f"auto: {first} chunks (no perplexity-change bound to size against)",
+                       "chunks": first, "available_chunks": available}
+    record: dict[str, Any] = {"rule": f"auto: se of the change <= bound / ({TARGET_HALF_WIDTHS} z)",
+                              "pilot_chunks": first, "available_chunks": available}
+    sd_pct = pilot.se_pct * math.sqrt(pilot.chunks)
+    if bound <= 0 or not math.isfinite(sd_pct):
+        needed = available + 1 if bound <= 0 or first < 2 else first
+    else:
+        target = bound / (TARGET_HALF_WIDTHS * pilot.z)
+        record.update(target_se_pct=target, pilot_sd_pct=sd_pct)
+        needed = max(first, math.ceil((sd_pct / target) ** 2))
+    n = min(available, needed)
+    record.update(needed_chunks=needed, chunks=n)
+    if needed > available:
+        record["note"] = (f"the eval text has {available} chunks of {CHUNK_LEN}; the target se needs {needed}: "
+                          "the bound is judged with a larger se")
+        log.warning("quality gate: %s", record["note"])
+    return n, record
 
 
 def _evaluation_device(ctx: BuildContext) -> tuple[str | None, str]:
@@ -300,22 +388,29 @@ def _fmt(x: float) -> str:
 
 class _Comparison:
     """The artifact's perplexity (runtime.evaluate, through its backend) and, on the same batches, the
-    unoptimised model's (torch) next-token NLL and KL(reference || artifact) at the scored positions.
+    unoptimised model's (torch) next-token NLL and KL(reference || artifact) at the scored positions,
+    both kept per chunk for the paired difference.
 
     Chunks go in groups: the artifact scores a group (its logits kept), then torch scores it. Running
     the two alternately per chunk doubled the time (ONNX Runtime's spinning threads and torch's fight
     for the same cores)."""
 
-    def __init__(self, backend: Any, model: Any | None, group: int = 8) -> None:
+    def __init__(self, backend: Any, model: Any | None, group: int = 8, chunk_len: int = CHUNK_LEN) -> None:
         self.backend = backend
         self.model = model
         self.block_size = backend.block_size
         self.num_blocks = backend.num_blocks
         self.group = group
+        self.chunk_len = chunk_len
         self._batches: list[tuple[Any, Any]] = []
-        self._nll = 0.0
+        self._chunk_nll: list[float] = []  # the artifact's mean NLL per chunk
+        self._ref_chunk_nll: list[float] = []  # the reference's, same chunks
         self._kl = 0.0
         self._count = 0
+
+    @property
+    def chunks(self) -> int:
+        return len(self._chunk_nll)
 
     def forward(self, fb: Any) -> Any:
         logits = self.backend.forward(fb)
@@ -323,21 +418,34 @@ class _Comparison:
             self._batches.append((fb, logits))
         return logits
 
-    def perplexity(self, ids: list[int], max_tokens: int, chunk_len: int = 256) -> Any:
-        from runtime.evaluate import PerplexityResult, chunk_tokens, perplexity
+    def score(self, chunks: list[list[int]]) -> None:
+        """Score more chunks (each `chunk_len` tokens) with the artifact and the reference."""
+        from runtime.evaluate import perplexity
 
-        n = len(chunk_tokens(ids, chunk_len, max_tokens))
-        if n == 0:
-            raise BuildError(f"quality gate: the eval text has {len(ids)} tokens, fewer than one chunk of {chunk_len}")
-        nll, count = 0.0, 0
-        for c0 in range(0, n, self.group):
-            part = ids[c0 * chunk_len:min(n, c0 + self.group) * chunk_len]
-            r = perplexity(self, part, chunk_len)
-            nll += r.mean_nll * r.predictions
-            count += r.predictions
+        for c0 in range(0, len(chunks), self.group):
+            part = [t for c in chunks[c0:c0 + self.group] for t in c]
+            r = perplexity(self, part, self.chunk_len)
+            self._chunk_nll += r.chunk_nll
             self._score_reference()
-        mean = nll / count
-        return PerplexityResult(math.exp(mean), mean, min(len(ids), max_tokens), n, count)
+
+    def result(self, tokens: int) -> Any:
+        """The artifact's perplexity over the chunks scored so far (`tokens`: of the text read)."""
+        from runtime.evaluate import PerplexityResult
+
+        mean = sum(self._chunk_nll) / len(self._chunk_nll)  # chunks of equal length: the mean over tokens
+        return PerplexityResult(math.exp(mean), mean, tokens, len(self._chunk_nll),
+                                len(self._chunk_nll) * (self.chunk_len - 1), tuple(self._chunk_nll))
+
+    def perplexity(self, ids: list[int], max_tokens: int | None) -> Any:
+        """Score the chunks of the first `max_tokens` tokens of `ids` (None: all); the artifact's perplexity."""
+        from runtime.evaluate import chunk_tokens
+
+        chunks = chunk_tokens(ids, self.chunk_len, max_tokens)
+        if not chunks:
+            raise BuildError(f"quality gate: the eval text has {len(ids)} tokens, fewer than one chunk of "
+                             f"{self.chunk_len}")
+        self.score(chunks)
+        return self.result(min(len(ids), max_tokens or len(ids)))
 
     def _score_reference(self) -> None:
         import numpy as np
@@ -348,20 +456,25 @@ class _Comparison:
             lp_a = torch.log_softmax(torch.from_numpy(np.asarray(logits)).double(), -1)
             lp_r = torch.log_softmax(ref.double(), -1)
             ids = torch.from_numpy(fb.input_ids)
-            cu = fb.cu_seqlens.tolist()
-            rows: list[int] = []
-            for b in range(len(cu) - 1):  # positions that predict a next token of the same sequence
-                rows += range(cu[b], cu[b + 1] - 1)
-            rows_t = torch.tensor(rows, dtype=torch.int64)
             if not np.array_equal(fb.logits_index, np.arange(len(fb.input_ids))):
                 raise BuildError("quality gate: the comparison needs logits of every token")
-            self._nll -= float(lp_r[rows_t].gather(1, ids[rows_t + 1, None]).sum())
-            self._kl += float((lp_r[rows_t].exp() * (lp_r[rows_t] - lp_a[rows_t])).sum())
-            self._count += len(rows)
+            cu = fb.cu_seqlens.tolist()
+            for b in range(len(cu) - 1):  # positions that predict a next token of the same sequence
+                rows_t = torch.arange(cu[b], cu[b + 1] - 1, dtype=torch.int64)
+                nll = -lp_r[rows_t].gather(1, ids[rows_t + 1, None])
+                self._ref_chunk_nll.append(float(nll.mean()))
+                self._kl += float((lp_r[rows_t].exp() * (lp_r[rows_t] - lp_a[rows_t])).sum())
+                self._count += len(rows_t)
         self._batches.clear()
 
     def reference_perplexity(self) -> float:
-        return math.exp(self._nll / self._count)
+        return math.exp(sum(self._ref_chunk_nll) / len(self._ref_chunk_nll))
+
+    def delta(self) -> Any:
+        """The paired perplexity change (runtime.evaluate.PairedDelta) over the chunks scored so far."""
+        from runtime.evaluate import paired_delta
+
+        return paired_delta(self._chunk_nll, self._ref_chunk_nll)
 
     def mean_kl(self) -> float:
         return self._kl / self._count
@@ -579,4 +692,4 @@ def _progress(enabled: bool) -> Any:
                     transient=True)
 
 
-__all__ = ["Plan", "QualityGateError", "RecipeError", "build", "plan", "quality_gate"]
+__all__ = ["Plan", "QualityGateError", "RecipeError", "build", "decide_interval", "eval_size", "plan", "quality_gate"]

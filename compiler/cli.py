@@ -254,6 +254,9 @@ def generate(artifact: str, prompt: str, max_tokens: int, temperature: float, to
 @click.argument("artifact", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--data", required=True, type=click.Path(dir_okay=False, exists=True, path_type=Path),
               help="UTF-8 text file.")
+@click.option("--reference", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="A second artifact (e.g. the unquantized build) scored on the same chunks: prints the "
+                   "perplexity change with its standard error (paired per-chunk differences) and 95% interval.")
 @click.option("--chunk-len", default=256, show_default=True, help="Tokens per independently scored chunk.")
 @click.option("--max-tokens", type=int, default=None, help="Score only the first N tokens of the text.")
 @click.option("--json", "as_json", is_flag=True)
@@ -262,27 +265,44 @@ def generate(artifact: str, prompt: str, max_tokens: int, temperature: float, to
 @click.option("--cuda-graphs", type=click.Choice(["auto", "padded", "off"]), default=None,
               help="Decode-bucket CUDA graphs (torch and ONNX Runtime CUDA artifacts): auto captures them on a "
                    "GPU; padded runs the padded static-shape step uncaptured; off runs every step eagerly.")
-def eval_cmd(artifact: Path, data: Path, chunk_len: int, max_tokens: int | None, as_json: bool, device: str | None,
-             cuda_graphs: str | None) -> None:
-    """Perplexity of ARTIFACT on a text file (non-overlapping chunks, each scored on its own)."""
+def eval_cmd(artifact: Path, data: Path, reference: Path | None, chunk_len: int, max_tokens: int | None,
+             as_json: bool, device: str | None, cuda_graphs: str | None) -> None:
+    """Perplexity of ARTIFACT on a text file (non-overlapping chunks, each scored on its own); with
+    --reference, the change against another artifact on the same chunks, with error bars."""
     from runtime.artifact import ArtifactError
     from runtime.engine import LLMEngine
-    from runtime.evaluate import perplexity
+    from runtime.evaluate import paired_delta, perplexity
+
+    def score(path: Path) -> tuple[Any, list[int]]:
+        engine = LLMEngine(path, device=device, graphs=cuda_graphs)
+        ids = engine.tokenizer.encode(data.read_text(encoding="utf-8"), add_special_tokens=False)
+        return perplexity(engine.backend, ids, chunk_len=chunk_len, max_tokens=max_tokens), ids
 
     try:
-        engine = LLMEngine(artifact, device=device, graphs=cuda_graphs)
-        ids = engine.tokenizer.encode(data.read_text(encoding="utf-8"), add_special_tokens=False)
         t = time.perf_counter()
-        res = perplexity(engine.backend, ids, chunk_len=chunk_len, max_tokens=max_tokens)
+        res, ids = score(artifact)
+        ref = delta = None
+        if reference is not None:
+            ref, ref_ids = score(reference)  # one engine at a time: the first is released by now
+            if ref_ids[:res.chunks * chunk_len] != ids[:res.chunks * chunk_len]:
+                raise ValueError(f"{artifact} and {reference} tokenize {data} differently: the chunks are not paired")
+            delta = paired_delta(res.chunk_nll, ref.chunk_nll)
         dt = time.perf_counter() - t
     except (ArtifactError, ValueError, RuntimeError) as e:
         _fail(str(e))
         return
     if as_json:
-        click.echo(json.dumps({**res.as_dict(), "seconds": round(dt, 3)}, indent=2))
-    else:
-        click.echo(f"perplexity {res.perplexity:.4f}  (mean NLL {res.mean_nll:.4f}, {res.predictions} predictions "
-                   f"in {res.chunks} chunks of {chunk_len}, {dt:.1f} s)")
+        out: dict[str, Any] = {**res.as_dict(), "seconds": round(dt, 3)}
+        if ref is not None and delta is not None:
+            out.update(reference=ref.as_dict(), delta=delta.as_dict())
+        click.echo(json.dumps(out, indent=2))
+        return
+    click.echo(f"perplexity {res.perplexity:.4f}  (mean NLL {res.mean_nll:.4f}, {res.predictions} predictions "
+               f"in {res.chunks} chunks of {chunk_len}, {dt:.1f} s)")
+    if ref is not None and delta is not None:
+        lo, hi = delta.ci_pct
+        click.echo(f"reference perplexity {ref.perplexity:.4f}; change {delta.pct:+.3f}% +- {delta.se_pct:.3f}% (se of "
+                   f"{delta.chunks} paired chunk differences), 95% interval [{lo:+.3f}%, {hi:+.3f}%] (z {delta.z:.2f})")
 
 
 @main.command()

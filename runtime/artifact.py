@@ -657,6 +657,10 @@ def _describe(manifest: dict[str, Any]) -> list[tuple[str, str]]:
         shown = [f"{label} {_short(m[k])}" for k, label in (
             ("perplexity", "perplexity"), ("perplexity_increase_pct", "change %"), ("kl_divergence", "KL"),
             ("token_agreement", "token agreement")) if k in m]
+        if "perplexity_increase_se_pct" in m and "perplexity_increase_ci_pct" in m:  # gates with error bars
+            ci = m["perplexity_increase_ci_pct"]
+            shown = [f"{t} +- {_short(m['perplexity_increase_se_pct'])} (95% interval {_short(ci[0])}..{_short(ci[1])}, "
+                     f"{m.get('eval_chunks', '?')} chunks)" if t.startswith("change %") else t for t in shown]
         rows.append(("quality", f"{'passed' if quality.get('passed') else 'not passed'}: " + ", ".join(shown)
                      + (f" (bounds: {_short(quality.get('bounds'))})" if quality.get("bounds") else "")))
     elif quality is not None:

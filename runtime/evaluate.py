@@ -1,8 +1,19 @@
-"""Perplexity of an artifact on a text file, computed through the runtime's backend.
+"""Perplexity of an artifact on a text file, computed through the runtime's backend, and the paired
+difference of two models' perplexities with its standard error.
 
 Method (the demo model's README): tokens of the whole text without special tokens, cut into
 consecutive non-overlapping chunks of `chunk_len` tokens (the last partial chunk dropped); each
 chunk scored on its own (no BOS, no carried context); perplexity = exp(mean next-token NLL).
+
+Error bars (`paired_delta`): two models scored on the same chunks give per chunk the difference
+d_i = (mean NLL of the model) - (mean NLL of the reference) over the chunk's chunk_len - 1
+predictions. Every chunk has the same number of predictions, so mean(d) is exactly the difference
+of the two mean NLLs, and the relative perplexity change is 100 (exp(mean d) - 1) %, the same number
+as 100 (ppl / ppl_ref - 1). The chunks are the independent units (tokens inside a chunk are not):
+se = sd(d) / sqrt(n) (sample sd, n - 1), and the interval is mean(d) +- z se with z = 1.96 (normal,
+95 % two-sided), mapped through 100 (exp(.) - 1) %; the se in % is 100 exp(mean d) se (delta
+method). With fewer than about 30 chunks the normal quantile understates the interval (Student's t
+would be wider); the quality gate evaluates at least 32 chunks unless a recipe sets fewer.
 """
 
 from __future__ import annotations
@@ -20,6 +31,9 @@ from runtime.forward_batch import ForwardBatch
 log = logging.getLogger(__name__)
 
 
+Z95 = 1.959963984540054  # the two-sided 95 % quantile of the normal distribution
+
+
 @dataclass(frozen=True)
 class PerplexityResult:
     perplexity: float
@@ -27,10 +41,58 @@ class PerplexityResult:
     tokens: int  # tokens of the text read
     chunks: int
     predictions: int
+    chunk_nll: tuple[float, ...] = ()  # mean next-token NLL of each chunk, in order
 
     def as_dict(self) -> dict[str, float | int]:
         return {"perplexity": self.perplexity, "mean_nll": self.mean_nll, "tokens": self.tokens,
                 "chunks": self.chunks, "predictions": self.predictions}
+
+
+@dataclass(frozen=True)
+class PairedDelta:
+    """The change of a model's perplexity against a reference's on the same chunks (module docstring)."""
+
+    chunks: int
+    mean_diff: float  # mean over chunks of the per-chunk mean-NLL difference (nats)
+    se: float  # its standard error, sd / sqrt(chunks) (nats); inf with one chunk
+    z: float = Z95
+
+    @property
+    def pct(self) -> float:
+        """Perplexity change in %: 100 (exp(mean_diff) - 1) = 100 (ppl / ppl_ref - 1)."""
+        return 100.0 * math.expm1(self.mean_diff)
+
+    @property
+    def se_pct(self) -> float:
+        """Standard error of `pct` (delta method): 100 exp(mean_diff) se."""
+        return 100.0 * math.exp(self.mean_diff) * self.se
+
+    @property
+    def ci_pct(self) -> tuple[float, float]:
+        """The z interval of mean_diff, mapped to % (exact under the monotone map, not +- z se_pct)."""
+        if not math.isfinite(self.se):
+            return (-math.inf, math.inf)
+        return (100.0 * math.expm1(self.mean_diff - self.z * self.se),
+                100.0 * math.expm1(self.mean_diff + self.z * self.se))
+
+    def as_dict(self) -> dict[str, float | int]:
+        lo, hi = self.ci_pct
+        return {"chunks": self.chunks, "mean_nll_diff": self.mean_diff, "se_nll_diff": self.se,
+                "increase_pct": self.pct, "increase_se_pct": self.se_pct, "ci_low_pct": lo, "ci_high_pct": hi,
+                "z": self.z}
+
+
+def paired_delta(chunk_nll: list[float] | tuple[float, ...], reference_chunk_nll: list[float] | tuple[float, ...],
+                 z: float = Z95) -> PairedDelta:
+    """Paired per-chunk differences of two models' mean NLLs on the same chunks -> mean, se, interval."""
+    if len(chunk_nll) != len(reference_chunk_nll):
+        raise ValueError(f"paired chunks differ in number: {len(chunk_nll)} vs {len(reference_chunk_nll)}")
+    if not chunk_nll:
+        raise ValueError("no chunks to compare")
+    d = np.asarray(chunk_nll, dtype=np.float64) - np.asarray(reference_chunk_nll, dtype=np.float64)
+    n = d.size
+    se = float(d.std(ddof=1) / math.sqrt(n)) if n > 1 else math.inf
+    return PairedDelta(n, float(d.mean()), se, z)
 
 
 def chunk_tokens(ids: list[int], chunk_len: int, max_tokens: int | None = None) -> list[list[int]]:
@@ -66,6 +128,7 @@ def perplexity(
         raise ValueError(f"the KV pool ({nb} blocks of {bs}) cannot hold one chunk of {chunk_len} tokens")
     total_nll = 0.0
     count = 0
+    per_chunk: list[float] = []
     for start in range(0, len(chunks), seqs_per_step):
         group = chunks[start:start + seqs_per_step]
         b = len(group)
@@ -86,10 +149,12 @@ def perplexity(
         picked = np.take_along_axis(logp[:, :-1, :], targets[..., None], axis=-1)[..., 0]
         total_nll -= float(picked.sum())
         count += picked.size
+        per_chunk += (-picked.mean(axis=1)).tolist()
         if progress is not None:
             progress(min(start + b, len(chunks)), len(chunks))
     mean = total_nll / count
-    return PerplexityResult(math.exp(mean), mean, min(len(ids), max_tokens or len(ids)), len(chunks), count)
+    return PerplexityResult(math.exp(mean), mean, min(len(ids), max_tokens or len(ids)), len(chunks), count,
+                            tuple(per_chunk))
 
 
 def text_perplexity(

@@ -192,3 +192,19 @@ def test_eval_json_perplexity(demo_artifact: Path) -> None:
     assert 5 < ppl < 30, ppl
     assert result["chunks"] == 2048 // 256
     assert result["predictions"] == result["chunks"] * 255
+
+
+def test_eval_against_a_reference_reports_the_paired_change(demo_artifact: Path) -> None:
+    """An artifact against itself: every chunk difference is 0, so the change, its se and the interval are 0."""
+    res = run_cli("eval", demo_artifact, "--data", DEMO_MODEL / "eval.txt", "--max-tokens", "1024", "--json",
+                  "--reference", demo_artifact)
+    assert res.returncode == 0, res.stderr
+    result = json.loads(res.stdout)
+    assert result["reference"]["perplexity"] == result["perplexity"]
+    d = result["delta"]
+    assert d["chunks"] == 4 and d["z"] == pytest.approx(1.959964, abs=1e-6)
+    assert d["increase_pct"] == d["increase_se_pct"] == d["ci_low_pct"] == d["ci_high_pct"] == 0.0
+    res = run_cli("eval", demo_artifact, "--data", DEMO_MODEL / "eval.txt", "--max-tokens", "512",
+                  "--reference", demo_artifact)
+    assert res.returncode == 0, res.stderr
+    assert "change +0.000% +- 0.000%" in res.stdout and "95% interval [+0.000%, +0.000%]" in res.stdout, res.stdout

@@ -34,15 +34,21 @@ FAMILIES = {
 }
 
 
+@pytest.mark.parametrize("lengths", [(40, 31), (36, 36)], ids=["paged", "dense"])
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_calibration_runs_the_layers_the_artifact_computes(family: str, tmp_path: Path) -> None:
+def test_calibration_runs_the_layers_the_artifact_computes(family: str, lengths: tuple[int, int],
+                                                           tmp_path: Path) -> None:
+    """Equal-length samples take the dense attention path where no layer has a window or soft-capping
+    (Granite, Phi-3, OLMo 2), the paged one otherwise; both equal the model's forward."""
     arch, overrides = FAMILIES[family]
     ckpt = make_random_checkpoint(tmp_path / "ckpt", arch, seed=3, **overrides)
     info = inspect_checkpoint(ckpt, max_model_len=512)
     model = LlamaForwardBatchModel(info.config, 16).eval()
     model.load_hf_state_dict(load_weights(info), torch.float32)
-    samples = [list(range(5, 45)), list(range(100, 131))]
+    samples = [list(range(5, 5 + lengths[0])), list(range(100, 100 + lengths[1]))]
     runner = LayerRunner(model, samples)
+    assert (runner.batches[0].seq_len is not None) == (lengths[0] == lengths[1] and family in
+                                                       ("granite", "phi3-longrope-partial", "olmo2"))
     for i in range(len(model.layers)):
         runner.advance(i)
     hidden = torch.cat(runner.hidden)  # one batch: both samples packed

@@ -26,15 +26,35 @@ RECIPES = {m: ROOT / "recipes" / f"demo-{m}.yaml" for m in ("int4-rtn", "int4-aw
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+# The example recipes leave the gate's evaluation size to its rule (up to the whole eval.txt, minutes
+# per build); here the gate scores the first 8,192 tokens (32 chunks: the change's se is ~0.17 % for
+# INT4, so its 95 % interval is ~+-0.33 %) against a change bound that such an interval can judge.
+GATE_TOKENS = 8192
+GATE_BOUND_PCT = {"int4-rtn": 2.0, "int4-awq": 1.5, "int4-gptq": 1.0, "fp8": 0.75}
+
+
+def gate_subset_recipe(method: str, folder: Path) -> Path:
+    """recipes/demo-<method>.yaml with absolute paths, max_eval_tokens GATE_TOKENS and the change bound
+    GATE_BOUND_PCT[method]."""
+    text = RECIPES[method].read_text(encoding="utf-8").replace("../models/", f"{ROOT}/models/")
+    text = re.sub(r"(?m)^  max_perplexity_increase_pct: .*$",
+                  f"  max_perplexity_increase_pct: {GATE_BOUND_PCT[method]}\n  max_eval_tokens: {GATE_TOKENS}", text)
+    assert f"max_eval_tokens: {GATE_TOKENS}" in text  # the example recipes leave it to the gate:
+    assert not re.search(r"(?m)^\s*max_eval_tokens:", RECIPES[method].read_text(encoding="utf-8"))
+    path = folder / f"demo-{method}.yaml"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory: pytest.TempPathFactory) -> object:
-    """demo(method) -> the artifact of recipes/demo-<method>.yaml, built once per module."""
+    """demo(method) -> the artifact of recipes/demo-<method>.yaml (gate on GATE_TOKENS), built once per module."""
     out = tmp_path_factory.mktemp("quant-demo")
     built: dict[str, Path] = {}
 
     def get(method: str) -> Path:
         if method not in built:
-            built[method] = build(RECIPES[method], progress=False, output=out)
+            built[method] = build(gate_subset_recipe(method, out), progress=False, output=out)
         return built[method]
 
     return get
@@ -222,7 +242,9 @@ def test_calibration_file_must_exist(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("method,options", [
     ("awq", "      group_size: 32\n      n_grid: 10\n      clip: true\n"),
+    ("awq", "      group_size: 32\n      n_grid: 10\n      sequential: true\n      duo_scaling: both\n"),
     ("gptq", "      group_size: 32\n      act_order: true\n"),
+    ("gptq", "      group_size: 32\n      act_order: true\n      range_search: true\n"),
 ])
 def test_same_recipe_and_calibration_give_byte_identical_quantized_weights(small: tuple[Path, Path], method: str,
                                                                           options: str) -> None:
@@ -236,7 +258,7 @@ def test_same_recipe_and_calibration_give_byte_identical_quantized_weights(small
     from compiler.quant.int4 import pack_matmulnbits
 
     folder, ckpt = small
-    recipe = _small_recipe(folder, ckpt, f"identical-{method}",
+    recipe = _small_recipe(folder, ckpt, f"identical-{method}-{len(options)}",
                            f"  - name: capture\n  - name: quantize_{method}\n    options:\n{options}"
                            "  - name: lower_onnx\n  - name: lower_quant\n  - name: package\n")
     artifact = build(recipe, progress=False)
@@ -275,12 +297,31 @@ def test_impossible_bound_fails_the_build_with_the_table_and_no_artifact(small: 
     err = res.stderr
     assert "quality gate failed" in err and "no artifact was written" in err, err
     row = next(ln for ln in err.splitlines() if ln.strip().startswith("perplexity increase %"))
-    assert "FAILED" in row and "0.0100" in row, row
+    assert "FAILED" in row and "0.0100" in row and "95% interval" in row, row
     assert float(row.split("measured")[1].split()[0]) > 0.01
     for name in ("KL divergence", "token agreement (min)"):  # the bounds that held are in the table too
         line = next(ln for ln in err.splitlines() if ln.strip().startswith(name))
         assert line.rstrip().endswith("ok"), line
     assert not out.exists() or not any(out.rglob("*")), sorted(out.rglob("*"))
+
+
+def test_gate_sizes_its_evaluation_and_records_the_change_with_its_interval(small: tuple[Path, Path]) -> None:
+    """No max_eval_tokens: the gate scores its 32-chunk pilot, which judges a loose bound; the manifest has
+    the change, its se from the paired chunks, the 95 % interval around it, the verdict and the sizing."""
+    folder, ckpt = small
+    extra = (f"quality:\n  eval_data: {DEMO_MODEL / 'eval.txt'}\n  max_perplexity_increase_pct: 1000.0\n")
+    recipe = write_recipe(folder, ckpt, name="rtn-auto-size",
+                          passes="  - name: capture\n  - name: quantize_rtn\n    options:\n      group_size: 32\n"
+                                 "  - name: lower_onnx\n  - name: lower_quant\n  - name: package\n", extra=extra)
+    m = _metrics(build(recipe, progress=False))
+    assert (m["eval_chunks"], m["eval_tokens"], m["predictions"]) == (32, 8192, 32 * 255)
+    assert m["eval_size"]["rule"].startswith("auto") and m["eval_size"]["pilot_chunks"] == 32
+    assert m["eval_size"]["needed_chunks"] == 32 and m["eval_size"]["available_chunks"] > 300
+    lo, hi = m["perplexity_increase_ci_pct"]
+    assert lo < m["perplexity_increase_pct"] < hi and m["perplexity_increase_se_pct"] > 0
+    assert m["perplexity_increase_z"] == 1.96 and m["perplexity_increase_verdict"] == "within"
+    assert m["perplexity_increase_pct"] == pytest.approx(100 * (m["perplexity"] / m["reference_perplexity"] - 1),
+                                                         abs=2e-3)
 
 
 def test_symmetric_int4_builds_in_both_forms_with_the_same_logits(small: tuple[Path, Path]) -> None:

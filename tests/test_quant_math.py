@@ -203,6 +203,37 @@ def test_window_selection_is_seeded_sorted_and_checked() -> None:
         select_windows(10_000, 256, 50, seed=0)
 
 
+def test_calibration_budget_defaults_to_128_windows_or_the_whole_file(tmp_path: Path) -> None:
+    """No num_samples: 128 windows (demo calib.txt, seq_len 256), every window when the file has fewer
+    (seq_len 1024); the manifest record says how the budget was set and how much of the file it used."""
+    from conftest import DEMO_MODEL, write_recipe
+
+    from compiler.checkpoint import inspect_checkpoint
+    from compiler.passes.base import BuildContext
+    from compiler.quant.calibration import load_calibration
+    from compiler.recipe import load_recipe
+
+    def record(name: str, calibration: str) -> dict:
+        recipe = load_recipe(write_recipe(tmp_path, DEMO_MODEL, name=name,
+                                          extra=f"calibration:\n  data: {DEMO_MODEL / 'calib.txt'}\n{calibration}"))
+        ctx = BuildContext(recipe=recipe, checkpoint=inspect_checkpoint(DEMO_MODEL), staging=tmp_path)
+        cal = load_calibration(ctx, "test")
+        assert len(cal.samples) == cal.record["num_samples"]
+        return cal.record
+
+    default = record("default", "")
+    windows = default["tokens"] // 256
+    assert windows > 128 and default["num_samples"] == 128 and default["seq_len"] == 256
+    assert default["budget"] == {"tokens": 128 * 256, "set_by": "default (128 windows)", "windows_available": windows,
+                                 "windows_used_fraction": round(128 / windows, 4)}
+    long = record("long", "  seq_len: 1024\n")
+    assert long["num_samples"] == long["budget"]["windows_available"] == default["tokens"] // 1024 < 128
+    assert long["budget"]["set_by"].startswith("default: every window")
+    assert long["budget"]["windows_used_fraction"] == 1.0
+    explicit = record("explicit", "  num_samples: 16\n")
+    assert explicit["budget"]["set_by"] == "recipe (calibration.num_samples)" and explicit["budget"]["tokens"] == 4096
+
+
 def test_jsonl_calibration_joins_the_text_field(tmp_path: Path) -> None:
     f = tmp_path / "c.jsonl"
     f.write_text("\n".join(json.dumps({"text": t, "id": i}) for i, t in enumerate(["a = 1", "b = 2"])) + "\n\n")
@@ -212,3 +243,34 @@ def test_jsonl_calibration_joins_the_text_field(tmp_path: Path) -> None:
     f.write_text('{"text": "x"}\nnot json\n')
     with pytest.raises(BuildError, match=r"c.jsonl:2: invalid JSON"):
         read_text(f, "text")
+
+
+def test_range_search_never_loses_to_min_max_and_shrinks_outlier_groups() -> None:
+    """search_range tries p = 1 first (the min/max range), so its |Q(w) - w|^2.4 per row is at most
+    min/max's; a row with one large outlier gets a shrunk range (a smaller scale)."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(16, 128, generator=g, dtype=torch.float64)
+    w[3, 5] = 12.0
+    scale, zero = int4.search_range(w)
+    s0, z0 = int4.params_from_range(w.amin(1), w.amax(1))
+
+    def err(s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        s, z = s.double().unsqueeze(1), z.double().unsqueeze(1)
+        return (int4.dequantize_codes(int4.quantize_codes(w, s, z), s, z) - w).abs().pow(2.4).sum(1)
+
+    assert bool((err(scale, zero) <= err(s0, z0) + 1e-12).all())
+    assert float(err(scale, zero).sum()) < float(err(s0, z0).sum())
+    assert scale[3] < s0[3]
+    q, _ = gptq.gptq_quantize(w.float(), torch.eye(128, dtype=torch.float64), 128, range_search=True)
+    assert q.codes.max() <= 15 and q.scales.shape == (16, 1)
+
+
+def test_rescaling_rows_of_an_int4_weight_is_exact() -> None:
+    """Sequential AWQ folds a later group's scale into the rows of an already quantized Linear (v before o,
+    up before down): the codes and zero points stay, the scales of row c are divided by s[c]."""
+    w = torch.randn(8, 256, generator=torch.Generator().manual_seed(1))
+    q = int4.quantize_rtn(w, 128)
+    s = torch.linspace(0.5, 2.0, 8)
+    r = awq.rescale_rows(q, s)
+    assert np.array_equal(r.codes, q.codes) and np.array_equal(r.zeros, q.zeros)
+    torch.testing.assert_close(r.dequantize(), q.dequantize() / s.view(-1, 1), rtol=1e-6, atol=1e-7)

@@ -130,7 +130,8 @@ def test_optional_sections_default(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     r = load_recipe(path)
     assert r.runtime == RuntimeDefaults()
     assert r.quality.eval_data is None and r.quality.max_perplexity is None
-    assert r.quality.max_eval_tokens == 8192
+    assert r.quality.max_eval_tokens is None  # sized by the gate
+    assert r.as_dict()["quality"]["max_eval_tokens"] == "auto"
     assert r.output == (tmp_path / "artifacts").resolve()
     assert r.as_dict()["output"] == "artifacts"
 

@@ -217,24 +217,7 @@ class Attention(nn.Module):
         v_cache: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         t = x.shape[0]
-        if self.qk_norm_full:
-            q = self.q_norm(self.q_proj(x)).view(t, self.h, self.d)
-            k = self.k_norm(self.k_proj(x)).view(t, self.kvh, self.d)
-        else:
-            q = self.q_proj(x).view(t, self.h, self.d)
-            k = self.k_proj(x).view(t, self.kvh, self.d)
-        v = self.v_proj(x).view(t, self.kvh, self.d)
-        if self.qk_norm and not self.qk_norm_full:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        cos_, sin_ = cos.unsqueeze(1), sin.unsqueeze(1)
-        if self.rotary_dim == self.d:
-            q = q * cos_ + _rotate_half(q) * sin_
-            k = k * cos_ + _rotate_half(k) * sin_
-        else:  # partial rotary (Phi-3 family): the first rotary_dim dimensions turn, the rest pass
-            r = self.rotary_dim
-            q = torch.cat([q[..., :r] * cos_ + _rotate_half(q[..., :r]) * sin_, q[..., r:]], dim=-1)
-            k = torch.cat([k[..., :r] * cos_ + _rotate_half(k[..., :r]) * sin_, k[..., r:]], dim=-1)
+        q, k, v = self.project(x, cos, sin)
         if self.variant != "decomposed":
             return self._fused(q, k, v, ctx, k_cache, v_cache), k, v
 
@@ -260,6 +243,31 @@ class Attention(nn.Module):
         out_new = torch.matmul(p_new, v.permute(1, 0, 2)).view(self.kvh, t, group, self.d).permute(1, 0, 2, 3)
         out = torch.matmul(probs[..., :lp], vp) + out_new  # [T, kvh, g, d]
         return self.o_proj(out.reshape(t, self.h * self.d)), k, v
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, h, d], k and v [T, kvh, d] of x [T, hidden]: the projections, q/k norms and the rotation
+        (what the pools store as K; calibration's dense attention starts from here too)."""
+        t = x.shape[0]
+        if self.qk_norm_full:
+            q = self.q_norm(self.q_proj(x)).view(t, self.h, self.d)
+            k = self.k_norm(self.k_proj(x)).view(t, self.kvh, self.d)
+        else:
+            q = self.q_proj(x).view(t, self.h, self.d)
+            k = self.k_proj(x).view(t, self.kvh, self.d)
+        v = self.v_proj(x).view(t, self.kvh, self.d)
+        if self.qk_norm and not self.qk_norm_full:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        cos_, sin_ = cos.unsqueeze(1), sin.unsqueeze(1)
+        if self.rotary_dim == self.d:
+            q = q * cos_ + _rotate_half(q) * sin_
+            k = k * cos_ + _rotate_half(k) * sin_
+        else:  # partial rotary (Phi-3 family): the first rotary_dim dimensions turn, the rest pass
+            r = self.rotary_dim
+            q = torch.cat([q[..., :r] * cos_ + _rotate_half(q[..., :r]) * sin_, q[..., r:]], dim=-1)
+            k = torch.cat([k[..., :r] * cos_ + _rotate_half(k[..., :r]) * sin_, k[..., r:]], dim=-1)
+        return q, k, v
 
     def _fused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext,
                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,10 @@ LLAMA_SCALE_GROUPS: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
 class AwqOptions:
     group_size: int = 128
     n_grid: int = 20  # scale ratios tried: i / n_grid for i < n_grid
-    duo_scaling: bool = True  # s = x_mean^a / w_mean^(1-a) (else x_mean^a)
+    duo_scaling: bool | str = True  # s = x_mean^a / w_mean^(1-a) (False: x_mean^a; "both": either, least loss)
+    # each group's input measured with the layer's earlier groups quantized, and the next layer fed the
+    # quantized layer's output (as GPTQ); False: every input from the float model (AutoAWQ)
+    sequential: bool = False
     clip: bool = True  # the weight-clipping search
     max_shrink: float = 0.5  # clipping tries max|w| * (1 - i/n_grid) for i < max_shrink * n_grid
     clip_tokens: int = 512  # calibration tokens of the clipping search (evenly spaced)
@@ -44,6 +47,8 @@ class AwqOptions:
 
     def __post_init__(self) -> None:
         check_group_size(self.group_size)
+        if self.duo_scaling not in (True, False, "both"):
+            raise ValueError(f"duo_scaling must be true, false or 'both', got {self.duo_scaling!r}")
         if self.n_grid < 1 or not 0 <= self.max_shrink < 1 or self.clip_tokens < 1:
             raise ValueError("n_grid and clip_tokens must be >= 1 and max_shrink in [0, 1)")
 
@@ -95,42 +100,48 @@ class QuantizeAwqPass(Int4WeightSizes, Pass):
             for i, layer in enumerate(model.layers):
                 prefix = f"layers.{i}"
                 mods = {n: m for n, m in layer.named_modules() if n in {x for g in LLAMA_SCALE_GROUPS for x in g[2]}}
-                inputs = runner.capture(i, {g[2][0]: mods[g[2][0]] for g in LLAMA_SCALE_GROUPS})
-                next_hidden = runner.outputs(i)  # the unquantized layer's output feeds the next layer
+                firsts = {g[2][0]: mods[g[2][0]] for g in LLAMA_SCALE_GROUPS}
+                if not c.sequential:
+                    inputs = runner.capture(i, firsts)
+                    next_hidden = runner.outputs(i)  # the unquantized layer's output feeds the next layer
+                stored: dict[str, Any] = {}  # this layer's quantized Linears: name -> Int4Weight
+
                 for gname, prev_name, consumers, block_name in LLAMA_SCALE_GROUPS:
+                    # sequential: the group's input with the layer's earlier groups already quantized
+                    x = runner.capture(i, {consumers[0]: firsts[consumers[0]]})[consumers[0]] if c.sequential \
+                        else inputs[consumers[0]]
                     linears = [mods[n] for n in consumers]
                     prev = layer.get_submodule(prev_name)
                     tie = None
+                    scale = True
                     if isinstance(prev, nn.Linear) and prev.out_features != linears[0].in_features:
                         tie = self._gqa_tie(layer, prev_name, consumers[0])
                         if tie is None:
                             skipped_groups[f"{prefix}.{gname}"] = (
                                 f"no scaling: {prev_name} has {prev.out_features} outputs, {consumers[0]} "
                                 f"{linears[0].in_features} inputs")
-                            continue
-                    quantize = [f"{prefix}.{n}" in targets for n in consumers]
-                    if not any(quantize):
-                        continue
-                    group = awq.ScaleGroup(f"{prefix}.{gname}", prev, linears, quantize, inputs[consumers[0]],
-                                           self._block(runner, layer, block_name), tie)
-                    s, ratio, _ = awq.search_scale(group, c.group_size, c.n_grid, c.duo_scaling)
-                    awq.apply_scale(group, s)
-                    ratios[group.name] = ratio
-                for _gname, _prev, consumers, _block in LLAMA_SCALE_GROUPS:
-                    for n in consumers:
-                        full = f"{prefix}.{n}"
-                        if full not in targets:
-                            continue
-                        lin = mods[n]
-                        max_val = None
-                        if c.clip and not matches(full, c.clip_skip):
-                            max_val = awq.search_clip(lin.weight, inputs[consumers[0]], c.group_size, c.n_grid,
-                                                      c.max_shrink, c.clip_tokens)
-                            clipped += 1
-                        q = int4.quantize_rtn(lin.weight, c.group_size, max_val)
-                        write_weight(lin, q.dequantize())
-                        st.weights[f"{full}.weight"] = QuantizedWeight(f"{full}.weight", "awq", q)
-                runner.hidden = next_hidden
+                            scale = False
+                    quantize_mask = [f"{prefix}.{n}" in targets for n in consumers]
+                    if scale and any(quantize_mask):
+                        group = awq.ScaleGroup(f"{prefix}.{gname}", prev, linears, quantize_mask, x,
+                                               self._block(runner, layer, block_name), tie)
+                        s, ratio, _ = awq.search_scale(group, c.group_size, c.n_grid, c.duo_scaling)
+                        awq.apply_scale(group, s)
+                        ratios[group.name] = ratio
+                        if prev_name in stored:  # rows of an already quantized Linear / s: its scales / s
+                            stored[prev_name] = awq.rescale_rows(stored[prev_name], group.tied(s)[1])
+                            write_weight(prev, stored[prev_name].dequantize())
+                    if c.sequential:
+                        clipped += self._quantize(prefix, consumers, mods, targets, x, stored)
+                if not c.sequential:
+                    for _gname, _prev, consumers, _block in LLAMA_SCALE_GROUPS:
+                        clipped += self._quantize(prefix, consumers, mods, targets, inputs[consumers[0]], stored)
+                for n, q in stored.items():
+                    st.weights[f"{prefix}.{n}.weight"] = QuantizedWeight(f"{prefix}.{n}.weight", "awq", q)
+                if c.sequential:
+                    runner.advance(i)  # the quantized layer's output feeds the next layer
+                else:
+                    runner.hidden = next_hidden
                 if bar is not None:
                     bar.advance(task)
             progress_done(bar, task)
@@ -145,6 +156,29 @@ class QuantizeAwqPass(Int4WeightSizes, Pass):
                     "calibration": cal.record, "scale_ratios": dict(sorted(ratios.items())),
                     "scale_groups_skipped": dict(sorted(skipped_groups.items())), "clipped_linears": clipped,
                     **stats_for(st, model, skipped_modules(model, st.weights, c.ignore))}
+
+    def _quantize(self, prefix: str, consumers: tuple[str, ...], mods: dict[str, Any], targets: dict[str, Any],
+                  x: list[Any], stored: dict[str, Any]) -> int:
+        """Round the group's target Linears to INT4 (after the clip search unless off) into `stored`, their
+        weights replaced by the dequantized values; returns how many were clipped."""
+        from compiler.quant import awq, int4
+        from compiler.quant.state import write_weight
+
+        c = self.config
+        clipped = 0
+        for n in consumers:
+            full = f"{prefix}.{n}"
+            if full not in targets:
+                continue
+            lin = mods[n]
+            max_val = None
+            if c.clip and not matches(full, c.clip_skip):
+                max_val = awq.search_clip(lin.weight, x, c.group_size, c.n_grid, c.max_shrink, c.clip_tokens)
+                clipped += 1
+            q = int4.quantize_rtn(lin.weight, c.group_size, max_val)
+            write_weight(lin, q.dequantize())
+            stored[n] = q
+        return clipped
 
     @staticmethod
     def _gqa_tie(layer: Any, prev_name: str, consumer: str) -> Any:

@@ -36,6 +36,8 @@ class GptqOptions:
     true_sequential: bool = True  # Hessians of later Linears see the earlier ones quantized
     ignore: list[str] = field(default_factory=lambda: ["lm_head"])
     symmetric: bool = False  # zero point 8, signed int4 values (what TensorRT dequantizes)
+    # each group's range searched (shrunk min/max of least |Q(w) - w|^2.4, GPTQ's `mse` quantizer)
+    range_search: bool = False
 
     def __post_init__(self) -> None:
         check_group_size(self.group_size)
@@ -96,7 +98,7 @@ class QuantizeGptqPass(Int4WeightSizes, Pass):
                     for n in step:
                         try:
                             q, loss = gptq.gptq_quantize(mine[n].weight, hess[n].value(), c.group_size, c.damp,
-                                                         c.act_order, c.block_size, c.symmetric)
+                                                         c.act_order, c.block_size, c.symmetric, c.range_search)
                         except ValueError as e:
                             raise BuildError(f"quantize_gptq: {n}: {e}") from e
                         write_weight(mine[n], q.dequantize())
@@ -113,6 +115,7 @@ class QuantizeGptqPass(Int4WeightSizes, Pass):
                     st.weights[f"{name}.weight"] = QuantizedWeight(f"{name}.weight", "rtn", q)
             st.weight_method = self.name
             return {"method": "gptq", "bits": 4, "group_size": c.group_size, "symmetric": c.symmetric,
-                    "damp": c.damp, "act_order": c.act_order, "calibration": cal.record,
+                    "damp": c.damp, "act_order": c.act_order, "range_search": c.range_search,
+                    "calibration": cal.record,
                     "reconstruction_loss": {k: float(f"{v:.6g}") for k, v in sorted(losses.items())},
                     **stats_for(st, model, skipped_modules(model, st.weights, c.ignore))}

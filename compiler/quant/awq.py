@@ -79,9 +79,11 @@ def _mse(block: Callable[[int, torch.Tensor], torch.Tensor], inputs: list[torch.
     return err / count
 
 
-def search_scale(g: ScaleGroup, group_size: int, n_grid: int = 20, duo_scaling: bool = True
+def search_scale(g: ScaleGroup, group_size: int, n_grid: int = 20, duo_scaling: bool | str = True
                  ) -> tuple[torch.Tensor, float, float]:
-    """The best per-channel scale of a group: (scales [C], ratio, loss)."""
+    """The best per-channel scale of a group: (scales [C], ratio, loss). duo_scaling "both" searches the
+    grid with and without the weight term (2 n_grid candidates); the ratio of a weight-free winner is
+    reported negative (-a)."""
     with torch.no_grad():
         xm = x_mean(g.inputs)
         wm = w_mean(g.linears, group_size)
@@ -89,9 +91,10 @@ def search_scale(g: ScaleGroup, group_size: int, n_grid: int = 20, duo_scaling: 
         reference = [g.block(b, x) for b, x in enumerate(g.inputs)]
         best = (float("inf"), -1.0, torch.ones_like(xm))
         try:
-            for i in range(n_grid):
+            modes = (True, False) if duo_scaling == "both" else (bool(duo_scaling),)
+            for duo, i in ((d, i) for d in modes for i in range(n_grid)):
                 ratio = i / n_grid
-                if duo_scaling:
+                if duo:
                     s = (xm.pow(ratio) / (wm.pow(1 - ratio) + 1e-4)).clamp(min=1e-4)
                 else:
                     s = xm.pow(ratio).clamp(min=1e-4)
@@ -102,7 +105,7 @@ def search_scale(g: ScaleGroup, group_size: int, n_grid: int = 20, duo_scaling: 
                         lin.weight.copy_(int4.fake_quantize(w0 * s, group_size) / s)
                 loss = _mse(g.block, g.inputs, reference)
                 if loss < best[0]:
-                    best = (loss, ratio, s.clone())
+                    best = (loss, ratio if duo or ratio == 0 else -ratio, s.clone())
         finally:
             for lin, w0 in zip(g.linears, originals, strict=True):
                 lin.weight.copy_(w0)
@@ -124,6 +127,13 @@ def apply_scale(g: ScaleGroup, s: torch.Tensor) -> None:
             lin.weight.mul_(s.view(1, -1))
         for x in g.inputs:
             x.div_(s)
+
+
+def rescale_rows(q: int4.Int4Weight, s: torch.Tensor) -> int4.Int4Weight:
+    """An INT4 weight with row c divided by s[c]: the same codes and zero points, scales / s (exact in
+    INT4, since scales are per (row, group))."""
+    scales = (torch.from_numpy(q.scales) / s.to(torch.float32).view(-1, 1)).numpy()
+    return int4.Int4Weight(q.codes, scales.astype("float32"), q.zeros, q.group_size, q.symmetric)
 
 
 def search_clip(w: torch.Tensor, inputs: list[torch.Tensor], group_size: int, n_grid: int = 20,

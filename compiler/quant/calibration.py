@@ -3,12 +3,20 @@
 Selection (recorded in the manifest): the file's text (a .jsonl file: its records' `text_field`
 joined by a blank line) is tokenized without special tokens and cut into consecutive
 non-overlapping windows of `seq_len` tokens (the partial tail dropped); `num_samples` windows are
-drawn without replacement by `numpy.random.default_rng(seed)` and kept in file order.
+drawn without replacement by `numpy.random.default_rng(seed)` and kept in file order. The budget,
+num_samples x seq_len tokens, defaults to 128 windows (compiler.recipe.DEFAULT_CALIBRATION_SAMPLES),
+or every window when the file has fewer; a budget the recipe sets and the file cannot fill is an
+error. The manifest's `budget` says which, with the share of the file's windows used.
 
-`LayerRunner` pushes the samples through the decoder one layer at a time (the ForwardBatch
-forward of compiler/models/llama.py, each sample a sequence of its own, no past), so peak memory
-is the model plus one layer's activations over the calibration tokens; hooks on a layer's Linear
-modules capture what each sees. It runs the layers in the model's dtype (FP8 activation scales of a
+`LayerRunner` pushes the samples through the decoder one layer at a time (each sample a sequence
+of its own, no past), so peak memory is the model plus one layer's activations over the calibration
+tokens; hooks on a layer's Linear modules capture what each sees. The embedding, the rotation and
+the layer's residual wiring are the model's own (`embed`, `rope_cos_sin`, `layer_forward`). Where no
+layer has a sliding window or soft-capped scores, attention runs as dense causal attention over
+[sequences, heads, seq_len, head_dim] (`dense_attention`: the layer's own `Attention.project` and
+o_proj, torch's scaled_dot_product_attention in float32 between them), the same function as the
+model's paged ForwardBatch attention on sequences without past, several times faster on the
+calibration batches (16 sequences per batch); otherwise the model's own attention runs. It runs the layers in the model's dtype (FP8 activation scales of a
 float16 target are measured on float16 activations); the INT4 searches (AWQ, GPTQ) run inside
 `float32_search`, in float32 on the target's (rounded) weights.
 """
@@ -104,10 +112,21 @@ def load_calibration(ctx: BuildContext, by: str) -> Calibration:
                          "(data: a local .txt or .jsonl file; num_samples, seq_len, seed)")
     from tokenizers import Tokenizer
 
+    from compiler.recipe import DEFAULT_CALIBRATION_SAMPLES
+
     text = read_text(spec.data, spec.text_field)
     tok = Tokenizer.from_file(str(ctx.checkpoint.path / "tokenizer.json"))
     ids = tok.encode(text, add_special_tokens=False).ids
-    starts = select_windows(len(ids), spec.seq_len, spec.num_samples, spec.seed)
+    windows = len(ids) // spec.seq_len
+    if spec.num_samples is not None:
+        num_samples, set_by = spec.num_samples, "recipe (calibration.num_samples)"
+    else:
+        num_samples = min(DEFAULT_CALIBRATION_SAMPLES, windows)
+        set_by = (f"default ({DEFAULT_CALIBRATION_SAMPLES} windows)" if windows >= DEFAULT_CALIBRATION_SAMPLES
+                  else f"default: every window of the file (fewer than {DEFAULT_CALIBRATION_SAMPLES})")
+        if num_samples < 1:
+            raise _error(f"calibration data has {len(ids)} tokens, fewer than one window of {spec.seq_len}")
+    starts = select_windows(len(ids), spec.seq_len, num_samples, spec.seed)
     samples = tuple(tuple(ids[s:s + spec.seq_len]) for s in starts)
     written = ctx.recipe.as_dict().get("calibration", {}).get("data", spec.data.name)
     record = {
@@ -116,8 +135,10 @@ def load_calibration(ctx: BuildContext, by: str) -> Calibration:
         "format": "jsonl" if spec.data.suffix.lower() == ".jsonl" else "text",
         "tokens": len(ids),
         "seq_len": spec.seq_len,
-        "num_samples": spec.num_samples,
+        "num_samples": num_samples,
         "seed": spec.seed,
+        "budget": {"tokens": num_samples * spec.seq_len, "set_by": set_by, "windows_available": windows,
+                   "windows_used_fraction": round(num_samples / windows, 4)},
         "selection": "numpy.random.default_rng(seed).choice(windows, num_samples, replace=False), sorted",
         "window_starts": starts,
     }
@@ -137,17 +158,43 @@ class _Batch:
     v_cache: torch.Tensor
     cos_local: torch.Tensor  # the sliding-window layers' rotation (Gemma 3); the same as cos elsewhere
     sin_local: torch.Tensor
+    seq_len: int | None = None  # every sequence this long: the dense attention path applies
+
+
+def dense_attention(attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq_len: int
+                    ) -> torch.Tensor:
+    """Causal self-attention of packed sequences of `seq_len` tokens without past (x [B * seq_len, hidden]):
+    the model's own projections, q/k norms and rotation (Attention.project) and o_proj, with the scores
+    in one batched kernel instead of the paged gather (no window, no soft-capping: LayerRunner checks)."""
+    t = x.shape[0]
+    b = t // seq_len
+    q, k, v = attn.project(x, cos, sin)
+    group = attn.h // attn.kvh
+
+    def heads(z: torch.Tensor, n: int) -> torch.Tensor:  # [T, n, d] -> [B, n, L, d] in float32
+        return z.view(b, seq_len, n, attn.d).transpose(1, 2).to(torch.float32)
+
+    kh = heads(k, attn.kvh).repeat_interleave(group, dim=1)  # query head i reads KV head i // group
+    vh = heads(v, attn.kvh).repeat_interleave(group, dim=1)
+    out = torch.nn.functional.scaled_dot_product_attention(heads(q, attn.h), kh, vh, is_causal=True,
+                                                           scale=attn.scale)
+    return attn.o_proj(out.transpose(1, 2).reshape(t, attn.h * attn.d).to(x.dtype))
 
 
 class LayerRunner:
     """Runs the calibration samples through `model` one decoder layer at a time."""
 
-    def __init__(self, model: nn.Module, samples: Iterable[Iterable[int]], max_tokens_per_batch: int = 256) -> None:
+    def __init__(self, model: nn.Module, samples: Iterable[Iterable[int]], max_tokens_per_batch: int | None = None
+                 ) -> None:
         from compiler.models.llama import AttentionContext
 
         self.model = model
         cfg = model.cfg
         seqs = [list(s) for s in samples]
+        # dense attention where every layer attends to its whole causal past with plain softmax scores
+        self.dense = all(w is None for w in cfg.sliding_windows) and not cfg.attn_logit_softcapping
+        if max_tokens_per_batch is None:  # the paged path's scores grow with the batch's tokens squared
+            max_tokens_per_batch = 4096 if self.dense else 256
         groups: list[list[list[int]]] = []
         for s in seqs:
             if groups and sum(map(len, groups[-1])) + len(s) <= max_tokens_per_batch:
@@ -171,7 +218,9 @@ class LayerRunner:
                 local = model.rope_cos_sin(positions, dtype, local=True) if cfg.local_rope_theta is not None \
                     else (cos, sin)
                 actx = AttentionContext(positions, cu, past, table, model.block_size, cfg.num_kv_heads)
-                self.batches.append(_Batch(cos, sin, actx, cache, cache, *local))
+                same = len({len(s) for s in g}) == 1
+                self.batches.append(_Batch(cos, sin, actx, cache, cache, *local,
+                                           len(g[0]) if self.dense and same else None))
                 self.hidden.append(model.embed(ids))
         self.num_tokens = sum(len(s) for s in seqs)
 
@@ -179,12 +228,15 @@ class LayerRunner:
         """layer.self_attn on the normalised input x of batch b (output only)."""
         bt = self.batches[b]
         cos, sin = (bt.cos_local, bt.sin_local) if layer.self_attn.local_rope else (bt.cos, bt.sin)
+        if bt.seq_len is not None:
+            return dense_attention(layer.self_attn, x, cos, sin, bt.seq_len)
         return layer.self_attn(x, cos, sin, bt.actx, bt.k_cache, bt.v_cache)[0]
 
     def attention_kv(self, layer: nn.Module, x: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys (after q-k norm and RoPE) and values [T, kvh, d] layer.self_attn writes to its cache."""
         bt = self.batches[b]
         cos, sin = (bt.cos_local, bt.sin_local) if layer.self_attn.local_rope else (bt.cos, bt.sin)
-        _, k, v = layer.self_attn(x, cos, sin, bt.actx, bt.k_cache, bt.v_cache)
+        _q, k, v = layer.self_attn.project(x, cos, sin)
         return k, v
 
     def layer_forward(self, layer: nn.Module, x: torch.Tensor, b: int) -> torch.Tensor:

@@ -9,7 +9,8 @@ onto the columns not yet quantized through the inverse Hessian of the layer's re
 with the lazy batch updates of the reference implementation (blocks of `block_size` columns).
 Groups stay contiguous along the input dimension (what MatMulNBits and blocked DequantizeLinear
 store): a group's scale and zero point are set from the group's current (error-updated) weights
-when its first column comes up, also under act_order, so no g_idx permutation is needed. Dead
+when its first column comes up, also under act_order, so no g_idx permutation is needed (from the
+group's min and max, or with `range_search` the shrunk range of least |Q(w) - w|^2.4). Dead
 inputs (diag H = 0) get weight 0. Everything runs in float64.
 """
 
@@ -39,9 +40,11 @@ class Hessian:
 
 
 def gptq_quantize(w: torch.Tensor, h: torch.Tensor, group_size: int, damp: float = 0.01,
-                  act_order: bool = False, block_size: int = 128, symmetric: bool = False
-                  ) -> tuple[int4.Int4Weight, float]:
-    """INT4 codes of W [out, in] given the Hessian H [in, in]; returns (weight, reconstruction loss)."""
+                  act_order: bool = False, block_size: int = 128, symmetric: bool = False,
+                  range_search: bool = False) -> tuple[int4.Int4Weight, float]:
+    """INT4 codes of W [out, in] given the Hessian H [in, in]; returns (weight, reconstruction loss).
+    `range_search`: each group's range by int4.search_range (least |Q(w) - w|^2.4 over shrunk ranges)
+    instead of its min and max."""
     w = w.detach().to(torch.float64).clone()
     h = h.to(torch.float64).clone()
     rows, cols = w.shape
@@ -81,7 +84,8 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, group_size: int, damp: float
                 later = pos[~inside]
                 if later.numel():
                     cur[:, ~inside] = w[:, later] - err1[:, :i] @ hinv[i1:j, later]
-                scale[:, g], zero[:, g] = int4.params_from_range(cur.amin(1), cur.amax(1), symmetric)
+                scale[:, g], zero[:, g] = int4.search_range(cur, symmetric) if range_search else \
+                    int4.params_from_range(cur.amin(1), cur.amax(1), symmetric)
                 ready[g] = True
             s, z = scale[:, g].to(torch.float64), zero[:, g].to(torch.float64)
             col = w1[:, i]

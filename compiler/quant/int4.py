@@ -71,6 +71,26 @@ def params_from_range(wmin: torch.Tensor, wmax: torch.Tensor, symmetric: bool = 
     return scale, zero
 
 
+def search_range(w: torch.Tensor, symmetric: bool = False, grid: int = 100, max_shrink: float = 0.8,
+                 norm: float = 2.4) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, zero) [rows] of one group's weights w [rows, n]: the range [p min, p max] for p = 1 - i / grid,
+    i < max_shrink * grid, with the least sum |Q(w) - w|^norm per row (GPTQ's `mse` quantizer; the
+    widening to 0 and the zero point as in params_from_range)."""
+    wmin, wmax = w.amin(1), w.amax(1)
+    best = torch.full((w.shape[0],), float("inf"), dtype=torch.float64)
+    scale, zero = params_from_range(wmin, wmax, symmetric)
+    for i in range(max(1, int(max_shrink * grid))):
+        p = 1 - i / grid
+        s1, z1 = params_from_range(p * wmin, p * wmax, symmetric)
+        s64, z64 = s1.to(w.dtype).unsqueeze(1), z1.to(w.dtype).unsqueeze(1)
+        err = (dequantize_codes(quantize_codes(w, s64, z64), s64, z64) - w).abs().pow(norm).sum(1).to(torch.float64)
+        better = err < best
+        best = torch.where(better, err, best)
+        scale = torch.where(better, s1, scale)
+        zero = torch.where(better, z1, zero)
+    return scale, zero
+
+
 def group_params(w: torch.Tensor, group_size: int, max_val: torch.Tensor | None = None, symmetric: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale and zero point [out, G] of each group; `max_val` [out, G] clips the range to +-max_val."""
