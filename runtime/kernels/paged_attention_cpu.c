@@ -852,14 +852,20 @@ static void quantize_rows_item(void *arg, size_t index) {
     }
 }
 
-static OrtStatus *quantize_rows_compute(OrtKernelContext *ctx) {
-    const char *opname = QROWS_OP_NAME;
+/* input 0 of a one-input op on rows (QuantizeRows, SiluMul): a float32 tensor of rank 1 or more */
+static OrtStatus *read_rows(OrtKernelContext *ctx, const char *opname, Tensor *x) {
     char msg[256];
-    Tensor x;
-    OrtStatus *st = read_input(ctx, 0, &x);
+    OrtStatus *st = read_input(ctx, 0, x);
     if (st) return st;
-    if (x.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) FAIL("x must be float32");
-    if (x.rank < 1) FAIL("x must have rank 1 or more");
+    if (x->type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) FAIL("x must be float32");
+    if (x->rank < 1) FAIL("x must have rank 1 or more");
+    return NULL;
+}
+
+static OrtStatus *quantize_rows_compute(OrtKernelContext *ctx) {
+    Tensor x;
+    OrtStatus *st = read_rows(ctx, QROWS_OP_NAME, &x);
+    if (st) return st;
     int64_t rows = 1, K = x.dims[x.rank - 1];
     for (size_t i = 0; i + 1 < x.rank; i++) rows *= x.dims[i];
     int64_t scale_dims[4];
@@ -1174,10 +1180,8 @@ static OrtStatus *silu_mul_compute(OrtKernelContext *ctx) {
     const char *opname = SM_OP_NAME;
     char msg[256];
     Tensor x;
-    OrtStatus *st = read_input(ctx, 0, &x);
+    OrtStatus *st = read_rows(ctx, opname, &x);
     if (st) return st;
-    if (x.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) FAIL("x must be float32");
-    if (x.rank < 1) FAIL("x must have rank 1 or more");
     const int64_t last = x.dims[x.rank - 1];
     if (last % 2) FAIL("x's last dimension (%lld) must be even: gate and up halves", (long long)last);
     int64_t rows = 1, out_dims[4];
