@@ -415,10 +415,11 @@ def test_scheduler_matches_twin_with_colliding_hashes() -> None:
     """Block hashes narrowed to 1-4 bits in both cores: distinct blocks share hashes, so lookups hit
     the collision branch (a miss, never another block's K/V) and registration skips taken hashes;
     C and twin must still agree, and every sequence must still generate the oracle's tokens.
-    Measured on 100 examples (six runs): collisions in 26-35 streams, 437-526 sequences checked."""
+    Measured on 100 examples: collisions in 26-52 streams over fourteen runs, but 7 in one run under
+    AddressSanitizer; 200 examples keep the floor far below what a run sees."""
     seen: Counter = Counter()
 
-    @settings(max_examples=100, deadline=None)
+    @settings(max_examples=200, deadline=None)
     @given(stream(), st.integers(1, 4))
     def check(case, bits: int) -> None:
         with hash_bits(bits):
@@ -426,7 +427,7 @@ def test_scheduler_matches_twin_with_colliding_hashes() -> None:
 
     check()
     assert seen["examples_with_collisions"] >= 10, seen
-    assert seen["finished_checked"] >= 150, seen
+    assert seen["finished_checked"] >= 300, seen
 
 
 def test_hash_width_hook_defaults_to_64_bits_and_validates_alike() -> None:
