@@ -34,6 +34,9 @@ SUPPORTED_ARCHITECTURES = (
     "Olmo2ForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
 )
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -94,6 +97,18 @@ class ModelConfig:
     sandwich_norm: bool = False
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+    # Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE): the sparse layers' routed experts (gated MLPs of
+    # moe_intermediate_size), top-k of a softmax router, the k weights renormalised or not; Qwen2-MoE's
+    # shared expert (a gated MLP behind a sigmoid gate) added to every token. Dense layers keep `intermediate_size`.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    shared_expert_intermediate_size: int = 0
+    moe_layers: tuple[bool, ...] = ()  # per layer: a sparse MoE block (else the dense MLP)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return bool(self.moe_layers) and self.moe_layers[layer]
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], generation: dict[str, Any] | None = None,
@@ -132,7 +147,7 @@ class ModelConfig:
         if eos is None:
             eos = cfg.get("eos_token_id")
         eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        family_qkv_bias = arch == "Qwen2ForCausalLM"
+        family_qkv_bias = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
         return cls(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
@@ -150,7 +165,7 @@ class ModelConfig:
             qkv_bias=family_qkv_bias or bool(cfg.get("attention_bias", False)),
             o_bias=(not family_qkv_bias) and bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Olmo2ForCausalLM", "Gemma3ForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Olmo2ForCausalLM", "Gemma3ForCausalLM"),
             post_norm=arch == "Olmo2ForCausalLM",
             qk_norm_full=arch == "Olmo2ForCausalLM",
             sliding_windows=windows,
@@ -162,6 +177,7 @@ class ModelConfig:
             mlp_activation=ACTIVATIONS[act],
             **_multipliers(arch, cfg),
             **_gemma(arch, cfg, hidden, head_dim),
+            **_experts(arch, cfg, layers),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -170,6 +186,7 @@ class ModelConfig:
         d = asdict(self)
         d["sliding_windows"] = list(self.sliding_windows)
         d["eos_token_ids"] = list(self.eos_token_ids)
+        d["moe_layers"] = list(self.moe_layers)
         return d
 
 
@@ -222,6 +239,30 @@ def _gemma(arch: str, cfg: dict[str, Any], hidden: int, head_dim: int) -> dict[s
             "attention_multiplier": float(cfg.get("query_pre_attn_scalar") or head_dim) ** -0.5, **soft}
 
 
+def _experts(arch: str, cfg: dict[str, Any], layers: int) -> dict[str, Any]:
+    """Mixtral: every layer sparse, experts of intermediate_size, the top-k weights renormalised. Qwen2-MoE /
+    Qwen3-MoE: layers (i + 1) % decoder_sparse_step == 0 not in mlp_only_layers are sparse, experts of
+    moe_intermediate_size, renormalised when norm_topk_prob; Qwen2-MoE's shared expert."""
+    if arch not in ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        return {}
+    experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    top_k = int(cfg.get("num_experts_per_tok") or 0)
+    if experts < 1 or not 1 <= top_k <= experts:
+        raise CheckpointError(f"{arch}: needs num_experts >= 1 and 1 <= num_experts_per_tok <= num_experts "
+                              f"(got {experts} experts, {top_k} per token)")
+    if arch == "MixtralForCausalLM":
+        return {"num_experts": experts, "num_experts_per_tok": top_k, "norm_topk_prob": True,
+                "moe_intermediate_size": int(cfg["intermediate_size"]), "moe_layers": (True,) * layers}
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    dense = {int(i) for i in cfg.get("mlp_only_layers") or []}
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0) if arch == "Qwen2MoeForCausalLM" else 0
+    return {"num_experts": experts, "num_experts_per_tok": top_k,
+            "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+            "moe_intermediate_size": int(cfg["moe_intermediate_size"]),
+            "shared_expert_intermediate_size": shared,
+            "moe_layers": tuple(i not in dense and (i + 1) % step == 0 for i in range(layers))}
+
+
 def _multipliers(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     if arch != "GraniteForCausalLM":
         return {}
@@ -233,14 +274,14 @@ def _multipliers(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
 
 def _sliding_windows(arch: str, cfg: dict[str, Any], layers: int) -> tuple[int | None, ...]:
     window = cfg.get("sliding_window")
-    if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
+    if arch in ("MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM"):
         return tuple([int(window) if window else None] * layers)
     if arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):  # layer_types, else transformers' default pattern
         every = 2 if arch == "Gemma2ForCausalLM" else int(cfg.get("sliding_window_pattern") or 6)
         types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % every else "full_attention"
                                            for i in range(layers)]
         return tuple(int(window) if window and t == "sliding_attention" else None for t in types)
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
         if not cfg.get("use_sliding_window", False) or not window:
             return tuple([None] * layers)
         types = cfg.get("layer_types")

@@ -72,6 +72,16 @@ def make_random_checkpoint(folder: Path, arch: str, seed: int = 0, **overrides: 
     elif arch == "GraniteForCausalLM":  # multipliers as Granite 3's, the attention's for head_dim 16
         cfg = transformers.GraniteConfig(**common, embedding_multiplier=12.0, residual_multiplier=0.22,
                                          attention_multiplier=0.2, logits_scaling=8.0, rope_theta=10000.0)
+    elif arch == "MixtralForCausalLM":  # 4 experts, top 2, renormalised
+        cfg = transformers.MixtralConfig(**{**common, "intermediate_size": 48}, num_local_experts=4,
+                                         num_experts_per_tok=2, sliding_window=None, rope_theta=10000.0)
+    elif arch == "Qwen2MoeForCausalLM":  # un-normalised top 2 of 4, a shared expert; layer 1 dense (mlp_only_layers)
+        cfg = transformers.Qwen2MoeConfig(**common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                          shared_expert_intermediate_size=48, norm_topk_prob=False,
+                                          mlp_only_layers=[1])
+    elif arch == "Qwen3MoeForCausalLM":  # normalised top 2 of 8 (as Qwen3-30B-A3B: norm_topk_prob)
+        cfg = transformers.Qwen3MoeConfig(**common, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                                          moe_intermediate_size=32, norm_topk_prob=True)
     else:
         raise ValueError(arch)
     for k, v in overrides.items():
@@ -80,7 +90,9 @@ def make_random_checkpoint(folder: Path, arch: str, seed: int = 0, **overrides: 
     model = getattr(transformers, arch)(cfg).eval()
     with torch.no_grad():  # larger weights than the init so logits are far from uniform
         for name, p in model.named_parameters():
-            if p.ndim == 2:
+            if p.ndim >= 2 and not p.any():  # a router left at zero: random (ties would pick experts arbitrarily)
+                p.normal_(0.0, 0.08)
+            elif p.ndim >= 2:  # (3-D: transformers 5's fused experts)
                 p.mul_(4.0)
             elif name.endswith(".bias"):  # transformers initialises biases to 0 (Qwen2's QKV bias)
                 p.normal_(0.0, 0.5)

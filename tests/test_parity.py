@@ -25,7 +25,10 @@ from runtime.forward_batch import ForwardBatch
 from runtime.sampling import SamplingParams
 
 ARCHS = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GraniteForCausalLM",
-         "Olmo2ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"]
+         "Olmo2ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+         # mixtures of experts (tests/conftest.py): renormalised top 2 of 4; un-normalised top 2 of 4 with a
+         # shared expert and a dense layer; renormalised top 2 of 8 with q/k norms
+         "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"]
 # (architecture, config overrides): the eight families, plus Mistral with a sliding window shorter
 # than the prompts so the window mask is exercised across chunks and blocks, and Qwen2 with YaRN
 # (Qwen2.5's long-context setting: factor 4 over a pretraining length the prompts cross)
@@ -42,7 +45,8 @@ VARIANTS = [(a, {}) for a in ARCHS] + [("MistralForCausalLM", {"sliding_window":
 LOGITS_TOL = 1e-3
 
 
-VARIANT_IDS = ["llama", "mistral", "qwen2", "qwen3", "granite", "olmo2", "gemma2", "gemma3", "mistral-sliding",
+VARIANT_IDS = ["llama", "mistral", "qwen2", "qwen3", "granite", "olmo2", "gemma2", "gemma3", "mixtral", "qwen2-moe",
+               "qwen3-moe", "mistral-sliding",
                "qwen2-yarn",
                "phi3-longrope-partial"]
 # every architecture on both CPU targets: ONNX Runtime (model.onnx) and torch (the torch.export program)
@@ -56,9 +60,11 @@ PAGED_CPU_PASSES = ("  - name: select_attention\n    options: {kernel: paged_cpu
 
 
 # Gemma 2's attention soft-capping is in the decomposed path only: the kernel refuses it at build
-# (tests/test_model_families.py), so that pair is not a parity case
+# (tests/test_model_families.py), so that pair is not a parity case; of the mixtures of experts (whose
+# attention is Mistral's / Qwen's), Mixtral stands for the three on the kernel target
 CASES = [(v, b) for b in TARGETS for v in range(len(VARIANTS))
-         if not (b == "onnxruntime-paged_cpu" and VARIANTS[v][0] == "Gemma2ForCausalLM")]
+         if not (b == "onnxruntime-paged_cpu" and VARIANTS[v][0] in ("Gemma2ForCausalLM", "Qwen2MoeForCausalLM",
+                                                                     "Qwen3MoeForCausalLM"))]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[f"{VARIANT_IDS[v]}-{b}" for v, b in CASES])
@@ -80,7 +86,7 @@ def random_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
         layers = json.loads((artifact / "runtime.json").read_text())["model"]["num_layers"]
         # the fused op rotates whole heads after one QKV split: Qwen3's and OLMo 2's q/k norms and Phi's partial rotary
         # (slices and a concat around the rotation) keep optimize.PagedAttention after the graph's RoPE
-        kept = arch in ("Qwen3ForCausalLM", "Olmo2ForCausalLM", "Gemma3ForCausalLM") \
+        kept = arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Olmo2ForCausalLM", "Gemma3ForCausalLM") \
             or "partial_rotary_factor" in overrides.get("rope_parameters", {})
         assert fuse["fusions"]["rotary_attention"] == (0 if kept else layers)
     return ckpt, artifact

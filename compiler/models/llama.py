@@ -1,5 +1,5 @@
-"""Our model definition for the Llama family (Llama, Mistral, Qwen2, Qwen3, Granite, Phi-3, OLMo 2, Gemma 2)
-with the ForwardBatch interface.
+"""Our model definition for the Llama family (Llama, Mistral, Qwen2, Qwen3, Granite, Phi-3, OLMo 2, Gemma 2/3,
+and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE) with the ForwardBatch interface.
 
 One forward runs any mix of prefill chunks and decode tokens, packed without padding. Attention is
 a paged attention written in standard ops (so it exports to plain ONNX):
@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from compiler.checkpoint import ModelConfig
+from compiler.models.moe import SparseMoeBlock, normalize_expert_weights
 
 
 def local_rope_config(cfg: ModelConfig) -> ModelConfig:
@@ -334,11 +335,12 @@ class AttentionContext:
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        inter = intermediate_size or cfg.intermediate_size
+        self.gate_proj = nn.Linear(cfg.hidden_size, inter, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, inter, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=cfg.mlp_bias)
         self.activation = cfg.mlp_activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -360,11 +362,12 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.sandwich_norm:  # Gemma 2: post_attention_layernorm is the attention output's, this the MLP input's
             self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        # Mixtral / Qwen-MoE: the sparse layers' experts (compiler/models/moe.py)
+        self.mlp = SparseMoeBlock(cfg, MLP) if cfg.is_moe_layer(layer) else MLP(cfg)
 
 
 class LlamaForwardBatchModel(nn.Module):
-    """Llama/Mistral/Qwen2/Qwen3/Granite decoder taking the ForwardBatch arrays plus the per-layer KV pools."""
+    """The decoder of every supported family, taking the ForwardBatch arrays plus the per-layer KV pools."""
 
     def __init__(self, cfg: ModelConfig, block_size: int, attention: str = "decomposed") -> None:
         super().__init__()
@@ -459,7 +462,7 @@ class LlamaForwardBatchModel(nn.Module):
 
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> list[str]:
         """Copy Hugging Face tensors in by name; returns the HF names that were not used."""
-        weights = split_fused_weights(self.cfg, weights)
+        weights = normalize_expert_weights(self.cfg, split_fused_weights(self.cfg, weights))
         used: set[str] = set()
         missing: list[str] = []
         with torch.no_grad():
