@@ -31,6 +31,43 @@ LLAMA_SCALE_GROUPS: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
 
 
 @dataclass(frozen=True)
+class ScaleGroupSpec:
+    """One input-sharing group of a layer: its Linears, the op before them, where its input is read."""
+
+    name: str
+    prev: str  # the op whose output channels absorb 1/s
+    consumers: tuple[str, ...]  # the Linears scaled by s (quantized unless ignored)
+    block: str  # measured block: "attention", "mlp" or a Linear on its own
+    source: str  # the module whose input is the group's input
+    scaled: tuple[str, ...] = ()  # float readers of the same input (a mixture's routers): scaled only
+
+
+def scale_groups(layer: Any) -> list[ScaleGroupSpec]:
+    """The layer's groups: LLAMA_SCALE_GROUPS; in a mixture-of-experts layer, one gate/up group of every
+    expert (and the shared expert) after post_attention_layernorm, measured on the whole MoE block with
+    the routers scaled alongside, then each expert's down after its own up."""
+    from compiler.models.moe import SparseMoeBlock
+
+    groups = [ScaleGroupSpec(n, p, c, b, c[0]) for n, p, c, b in LLAMA_SCALE_GROUPS]
+    moe = layer.mlp
+    if not isinstance(moe, SparseMoeBlock):
+        return groups
+    experts = [f"mlp.experts.{e}" for e in range(len(moe.experts))] + (["mlp.shared_expert"] if moe.shared else [])
+    routers = ("mlp.gate",) + (("mlp.shared_expert_gate",) if moe.shared else ())
+    return groups[:2] + [ScaleGroupSpec("gate_up", "post_attention_layernorm",
+                                        tuple(f"{e}.{r}" for e in experts for r in ("gate_proj", "up_proj")),
+                                        "mlp", "mlp", routers)] + [
+        ScaleGroupSpec(f"down.{e.removeprefix('mlp.')}", f"{e}.up_proj", (f"{e}.down_proj",), f"{e}.down_proj",
+                       f"{e}.down_proj") for e in experts]
+
+
+def clip_source(g: ScaleGroupSpec, consumer: str) -> str:
+    """The module whose input `consumer` reads: the group's, except an expert's gate/up, which read the rows
+    routed to that expert (its gate_proj's input)."""
+    return g.source if g.source != "mlp" else consumer.rsplit(".", 1)[0] + ".gate_proj"
+
+
+@dataclass(frozen=True)
 class AwqOptions:
     group_size: int = 128
     n_grid: int = 20  # scale ratios tried: i / n_grid for i < n_grid
@@ -96,48 +133,66 @@ class QuantizeAwqPass(Int4WeightSizes, Pass):
             bar, task = progress_task(ctx, "awq", len(model.layers))
             ratios: dict[str, float] = {}
             skipped_groups: dict[str, str] = {}
+            unseen: list[str] = []  # Linears no calibration token reached (experts): rounded to nearest
             clipped = 0
             for i, layer in enumerate(model.layers):
                 prefix = f"layers.{i}"
-                mods = {n: m for n, m in layer.named_modules() if n in {x for g in LLAMA_SCALE_GROUPS for x in g[2]}}
-                firsts = {g[2][0]: mods[g[2][0]] for g in LLAMA_SCALE_GROUPS}
+                groups = scale_groups(layer)
+                names = {n for g in groups for n in (*g.consumers, *g.scaled, g.source)}
+                mods = {n: m for n, m in layer.named_modules() if n in names}
+                sources = {n for g in groups for n in (g.source, *(clip_source(g, c) for c in g.consumers))}
                 if not c.sequential:
-                    inputs = runner.capture(i, firsts)
+                    inputs = runner.capture(i, {n: mods[n] for n in sources})
                     next_hidden = runner.outputs(i)  # the unquantized layer's output feeds the next layer
                 stored: dict[str, Any] = {}  # this layer's quantized Linears: name -> Int4Weight
 
-                for gname, prev_name, consumers, block_name in LLAMA_SCALE_GROUPS:
+                for g in groups:
                     # sequential: the group's input with the layer's earlier groups already quantized
-                    x = runner.capture(i, {consumers[0]: firsts[consumers[0]]})[consumers[0]] if c.sequential \
-                        else inputs[consumers[0]]
-                    linears = [mods[n] for n in consumers]
-                    prev = layer.get_submodule(prev_name)
+                    if c.sequential:
+                        mine = {g.source, *(clip_source(g, n) for n in g.consumers)}
+                        inputs = runner.capture(i, {n: mods[n] for n in mine})
+                    x = inputs[g.source]
+                    linears = [mods[n] for n in g.consumers]
+                    prev = layer.get_submodule(g.prev)
                     tie = None
                     scale = True
-                    if isinstance(prev, nn.Linear) and prev.out_features != linears[0].in_features:
-                        tie = self._gqa_tie(layer, prev_name, consumers[0])
+                    if not any(t.shape[0] for t in x):  # an expert no calibration token was routed to
+                        skipped_groups[f"{prefix}.{g.name}"] = "no scaling: no calibration token reached it"
+                        scale = False
+                    elif isinstance(prev, nn.Linear) and prev.out_features != linears[0].in_features:
+                        tie = self._gqa_tie(layer, g.prev, g.consumers[0])
                         if tie is None:
-                            skipped_groups[f"{prefix}.{gname}"] = (
-                                f"no scaling: {prev_name} has {prev.out_features} outputs, {consumers[0]} "
+                            skipped_groups[f"{prefix}.{g.name}"] = (
+                                f"no scaling: {g.prev} has {prev.out_features} outputs, {g.consumers[0]} "
                                 f"{linears[0].in_features} inputs")
                             scale = False
-                    quantize_mask = [f"{prefix}.{n}" in targets for n in consumers]
+                    quantize_mask = [f"{prefix}.{n}" in targets for n in g.consumers]
                     if scale and any(quantize_mask):
-                        group = awq.ScaleGroup(f"{prefix}.{gname}", prev, linears, quantize_mask, x,
-                                               self._block(runner, layer, block_name), tie)
-                        s, ratio, _ = awq.search_scale(group, c.group_size, c.n_grid, c.duo_scaling)
-                        awq.apply_scale(group, s)
+                        # the routers read the same input: scaled with the experts, never quantized
+                        group = awq.ScaleGroup(f"{prefix}.{g.name}", prev, linears + [mods[n] for n in g.scaled],
+                                               quantize_mask + [False] * len(g.scaled), x,
+                                               self._block(runner, layer, g.block), tie)
+                        sc, ratio, _ = awq.search_scale(group, c.group_size, c.n_grid, c.duo_scaling)
+                        awq.apply_scale(group, sc)
+                        if g.source == "mlp":  # the experts' own inputs, which apply_scale did not see (the
+                            # shared expert's may be a view of the block's input, which it did)
+                            done = {t.data_ptr() for t in x}
+                            for n in {clip_source(g, m) for m in g.consumers} - {g.source}:
+                                for t in inputs[n]:
+                                    if t.data_ptr() not in done:
+                                        t.div_(sc)
                         ratios[group.name] = ratio
-                        if prev_name in stored:  # rows of an already quantized Linear / s: its scales / s
-                            stored[prev_name] = awq.rescale_rows(stored[prev_name], group.tied(s)[1])
-                            write_weight(prev, stored[prev_name].dequantize())
+                        if g.prev in stored:  # rows of an already quantized Linear / s: its scales / s
+                            stored[g.prev] = awq.rescale_rows(stored[g.prev], group.tied(sc)[1])
+                            write_weight(prev, stored[g.prev].dequantize())
                     if c.sequential:
-                        clipped += self._quantize(prefix, consumers, mods, targets, x, stored)
+                        clipped += self._quantize(prefix, g, mods, targets, inputs, stored, unseen)
                 if not c.sequential:
-                    for _gname, _prev, consumers, _block in LLAMA_SCALE_GROUPS:
-                        clipped += self._quantize(prefix, consumers, mods, targets, inputs[consumers[0]], stored)
+                    for g in groups:
+                        clipped += self._quantize(prefix, g, mods, targets, inputs, stored, unseen)
                 for n, q in stored.items():
-                    st.weights[f"{prefix}.{n}.weight"] = QuantizedWeight(f"{prefix}.{n}.weight", "awq", q)
+                    method = "rtn" if f"{prefix}.{n}" in unseen else "awq"
+                    st.weights[f"{prefix}.{n}.weight"] = QuantizedWeight(f"{prefix}.{n}.weight", method, q)
                 if c.sequential:
                     runner.advance(i)  # the quantized layer's output feeds the next layer
                 else:
@@ -155,24 +210,29 @@ class QuantizeAwqPass(Int4WeightSizes, Pass):
             return {"method": "awq", "bits": 4, "group_size": c.group_size, "symmetric": False,
                     "calibration": cal.record, "scale_ratios": dict(sorted(ratios.items())),
                     "scale_groups_skipped": dict(sorted(skipped_groups.items())), "clipped_linears": clipped,
+                    "unseen_rtn": unseen,
                     **stats_for(st, model, skipped_modules(model, st.weights, c.ignore))}
 
-    def _quantize(self, prefix: str, consumers: tuple[str, ...], mods: dict[str, Any], targets: dict[str, Any],
-                  x: list[Any], stored: dict[str, Any]) -> int:
-        """Round the group's target Linears to INT4 (after the clip search unless off) into `stored`, their
-        weights replaced by the dequantized values; returns how many were clipped."""
+    def _quantize(self, prefix: str, g: ScaleGroupSpec, mods: dict[str, Any], targets: dict[str, Any],
+                  inputs: dict[str, list[Any]], stored: dict[str, Any], unseen: list[str]) -> int:
+        """Round the group's target Linears to INT4 (after the clip search on each one's own input, unless
+        off) into `stored`, their weights replaced by the dequantized values; returns how many were clipped.
+        A Linear no calibration token reached (an expert) is rounded to nearest and listed in `unseen`."""
         from compiler.quant import awq, int4
         from compiler.quant.state import write_weight
 
         c = self.config
         clipped = 0
-        for n in consumers:
+        for n in g.consumers:
             full = f"{prefix}.{n}"
             if full not in targets:
                 continue
             lin = mods[n]
+            x = inputs[clip_source(g, n)]
             max_val = None
-            if c.clip and not matches(full, c.clip_skip):
+            if not any(t.shape[0] for t in x):
+                unseen.append(full)
+            elif c.clip and not matches(full, c.clip_skip):
                 max_val = awq.search_clip(lin.weight, x, c.group_size, c.n_grid, c.max_shrink, c.clip_tokens)
                 clipped += 1
             q = int4.quantize_rtn(lin.weight, c.group_size, max_val)

@@ -79,6 +79,7 @@ class QuantizeFp8Pass(Pass):
 
         amax: dict[str, float] = {}
         record: dict[str, Any] = {}
+        unseen: list[str] = []  # Linears no calibration token reached (experts): the layer's range of their role
         if c.activations == "static":
             cal = load_calibration(ctx, self.name)
             record = cal.record
@@ -86,12 +87,19 @@ class QuantizeFp8Pass(Pass):
             bar, task = progress_task(ctx, "fp8 calibration", len(model.layers))
 
             def sink(n: str, x: torch.Tensor) -> None:
-                amax[n] = max(amax.get(n, 0.0), float(x.abs().max()))
+                if x.numel():  # (an expert no token of a batch was routed to sees 0 rows)
+                    amax[n] = max(amax.get(n, 0.0), float(x.abs().max()))
 
             for i, layer in enumerate(model.layers):
                 mine = layer_linears(layer, f"layers.{i}", targets)
                 runner.capture(i, mine, sink=sink)  # inputs with the earlier layers quantized
                 for n, lin in mine.items():
+                    if n not in amax:  # an expert no calibration token reached: the layer's largest input
+                        # range of the same role (its gate/up read the same norm output as the others)
+                        role = n.rsplit(".", 1)[-1]
+                        amax[n] = max((v for k, v in amax.items() if k.startswith(f"layers.{i}.")
+                                       and k.endswith(f".{role}")), default=0.0)
+                        unseen.append(n)
                     self._quantize(st, n, lin, per_channel, amax.get(n))
                 runner.advance(i)
                 if bar is not None:
@@ -110,7 +118,7 @@ class QuantizeFp8Pass(Pass):
         st.weight_method = self.name
         return {
             "method": "fp8", "format": "e4m3fn", "weights": c.weights, "activations": c.activations,
-            **({"calibration": record} if record else {}),
+            **({"calibration": record, "unseen_amax_of_role": unseen} if record else {}),
             **({"activation_amax": {k: float(f"{v:.6g}") for k, v in sorted(amax.items())}} if amax else {}),
             **stats_for(st, model, skipped_modules(model, st.weights, c.ignore, embeddings_supported=True)),
         }

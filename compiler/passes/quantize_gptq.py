@@ -18,13 +18,21 @@ from compiler.quant.common import Int4WeightSizes, check_group_size
 
 log = logging.getLogger(__name__)
 
-# The order a Llama-family decoder layer computes its Linears in (Linears of one step share an input).
-LLAMA_SEQUENTIAL: tuple[tuple[str, ...], ...] = (
-    ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    ("self_attn.o_proj",),
-    ("mlp.gate_proj", "mlp.up_proj"),
-    ("mlp.down_proj",),
+# The order a decoder layer computes its Linears in, by the last part of their names (Linears of one step
+# share an input; a mixture of experts' experts and shared expert step together: gate/up, then down).
+SEQUENTIAL_ROLES: tuple[tuple[str, ...], ...] = (
+    ("q_proj", "k_proj", "v_proj"),
+    ("o_proj",),
+    ("gate_proj", "up_proj"),
+    ("down_proj",),
 )
+
+
+def sequential_steps(names: list[str]) -> list[list[str]]:
+    """`names` (one layer's target Linears) in SEQUENTIAL_ROLES' steps; any other Linear in a last step."""
+    steps = [[n for n in names if n.rsplit(".", 1)[-1] in roles] for roles in SEQUENTIAL_ROLES]
+    rest = [n for n in names if not any(n in s for s in steps)]
+    return [s for s in steps if s] + ([rest] if rest else [])
 
 
 @dataclass(frozen=True)
@@ -84,18 +92,23 @@ class QuantizeGptqPass(Int4WeightSizes, Pass):
             runner = LayerRunner(model, cal.samples)
             bar, task = progress_task(ctx, "gptq", len(model.layers))
             losses: dict[str, float] = {}
+            unseen: list[str] = []  # Linears no calibration token reached (experts): rounded to nearest
             for i, layer in enumerate(model.layers):
                 prefix = f"layers.{i}"
                 mine = layer_linears(layer, prefix, targets)
-                steps = [[f"{prefix}.{n}" for n in step if f"{prefix}.{n}" in mine] for step in LLAMA_SEQUENTIAL]
-                rest = [n for n in mine if not any(n in s for s in steps)]
-                steps = [s for s in steps if s] + ([rest] if rest else [])
+                steps = sequential_steps(list(mine))
                 if not c.true_sequential:
                     steps = [[n for s in steps for n in s]]
                 for step in steps:
                     hess = {n: gptq.Hessian(mine[n].in_features) for n in step}
                     runner.capture(i, {n: mine[n] for n in step}, sink=lambda n, x, hess=hess: hess[n].add(x))
                     for n in step:
+                        if hess[n].n == 0:  # an expert no calibration token was routed to
+                            q = int4.quantize_rtn(mine[n].weight, c.group_size, symmetric=c.symmetric)
+                            write_weight(mine[n], q.dequantize())
+                            st.weights[f"{n}.weight"] = QuantizedWeight(f"{n}.weight", "rtn", q)
+                            unseen.append(n)
+                            continue
                         try:
                             q, loss = gptq.gptq_quantize(mine[n].weight, hess[n].value(), c.group_size, c.damp,
                                                          c.act_order, c.block_size, c.symmetric, c.range_search)
@@ -118,4 +131,5 @@ class QuantizeGptqPass(Int4WeightSizes, Pass):
                     "damp": c.damp, "act_order": c.act_order, "range_search": c.range_search,
                     "calibration": cal.record,
                     "reconstruction_loss": {k: float(f"{v:.6g}") for k, v in sorted(losses.items())},
+                    "unseen_rtn": unseen,
                     **stats_for(st, model, skipped_modules(model, st.weights, c.ignore))}

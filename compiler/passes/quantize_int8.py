@@ -94,6 +94,10 @@ class QuantizeInt8Pass(Pass):
             if ctx.checkpoint.config.post_norm:
                 raise BuildError(f"{self.name}: smoothquant_alpha folds scales into the norm before q/k/v and "
                                  f"gate/up; {ctx.checkpoint.config.architecture} has none there (post-norm)")
+            if ctx.checkpoint.config.num_experts:
+                raise BuildError(f"{self.name}: smoothquant_alpha scales one gate/up pair per layer; "
+                                 f"{ctx.checkpoint.config.architecture} routes to experts: leave smoothquant_alpha "
+                                 "unset (plain W8A8), or use quantize_awq / quantize_gptq / quantize_fp8")
             extra = self._smooth(ctx, model, targets, c.smoothquant_alpha)
         for name, lin in targets.items():
             q = int8.quantize_weight(lin.weight, c.activations)
