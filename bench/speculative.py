@@ -1,4 +1,4 @@
-"""Speculative decoding on the demo model: batch-1 decode tokens/s, plain vs n-gram prompt lookup.
+"""Speculative decoding on the demo model: batch-1 decode tokens/s, plain vs n-gram prompt lookup vs a draft model.
 
 Workloads (greedy, ignore_eos, `--tokens` new tokens per request, one request at a time):
 - code: code completion with repeated identifiers: snippets of the demo's held-out CPython code
@@ -6,7 +6,10 @@ Workloads (greedy, ignore_eos, `--tokens` new tokens per request, one request at
   snippet that repeats long identifiers;
 - text: English prose (written here, no download; the demo model was trained on code, so it
   continues prose with code-like text and rarely repeats the prompt).
-Modes: plain, and n-gram with k proposals per step (`--k`, default 2 4 6). Decode tokens/s is
+Modes: plain, n-gram with k proposals per step (`--k`, default 2 4 6), and the draft model with k
+proposals (`--draft-k`, default 2 4) when a draft artifact is found (`--draft`, default the one
+recipes/demo-speculative.yaml builds: artifacts/pycode-llama-6m-spec-draft/1.0.0, the demo checkpoint's
+first 2 of 6 layers, a truncated-layer copy, not trained or distilled). Decode tokens/s is
 (tokens - 1) / (time of the last token - time of the first): the prefill is excluded. Rounds alternate
 between the modes (machine noise hits all alike); the number per workload and mode is the median over
 rounds of the sum over its prompts. Every speculative run's tokens are checked equal to the plain
@@ -14,6 +17,7 @@ run's (exact greedy). Acceptance: proposals verified / accepted, per draft posit
 counters. Prints a table, writes JSON (bench/results/speculative.json).
 
     python bench/speculative.py [--artifact artifacts/pycode-llama-6m/1.0.0] [--rounds 3] [--tokens 128]
+        [--draft artifacts/pycode-llama-6m-spec-draft/1.0.0] [--draft-k 2 4]
     python bench/speculative.py --quick      # tiny settings: checks that everything runs
 """
 
@@ -96,12 +100,15 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--k", type=int, nargs="+", default=[2, 4, 6])
+    ap.add_argument("--draft", type=Path, default=ROOT / "artifacts" / "pycode-llama-6m-spec-draft" / "1.0.0",
+                    help="draft artifact (same tokenizer); skipped when missing")
+    ap.add_argument("--draft-k", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--threads", type=int, default=1, help="ONNX Runtime intra-op threads")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     if args.quick:
-        args.rounds, args.tokens, args.k = 1, 16, [4]
+        args.rounds, args.tokens, args.k, args.draft_k = 1, 16, [4], [4]
 
     from runtime.engine import LLMEngine
     from runtime.speculative import SpeculativeConfig
@@ -109,10 +116,15 @@ def main() -> int:
     if not args.artifact.is_dir():
         print(f"{args.artifact}: no artifact; build it first: optimize build --skip-existing recipes/demo.yaml")
         return 2
-    engine = LLMEngine(args.artifact, threads=args.threads)
+    draft = args.draft if args.draft.is_dir() else False
+    if not draft:
+        print(f"{args.draft}: no draft artifact, no draft column (optimize build recipes/demo-speculative.yaml)")
+    engine = LLMEngine(args.artifact, threads=args.threads, draft=draft)
     workloads = {"code": code_prompts(args.quick), "text": list(PROSE[: 1 if args.quick else None])}
     modes: dict[str, SpeculativeConfig | None] = {"plain": None}
     modes.update({f"ngram k={k}": SpeculativeConfig(num_tokens=k) for k in args.k})
+    if draft:
+        modes.update({f"draft k={k}": SpeculativeConfig("draft", num_tokens=k) for k in args.draft_k})
     run_one(engine, PROSE[0], 8, None)  # warm-up: ONNX Runtime's first runs allocate
 
     seconds: dict[tuple[str, str], list[float]] = {}
@@ -169,7 +181,7 @@ def main() -> int:
               f"{rate:>11}{r['tokens_per_step']:>10.2f}  {pos}")
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "speculative.json"
-    meta = {"artifact": str(args.artifact), "rounds": args.rounds, "tokens": args.tokens, "threads": args.threads,
+    meta = {"artifact": str(args.artifact), "draft": str(args.draft) if draft else None, "rounds": args.rounds, "tokens": args.tokens, "threads": args.threads,
             "cpu_count": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version(),
             "quick": args.quick}
     path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n", encoding="utf-8")

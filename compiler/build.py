@@ -5,6 +5,12 @@ dry run). `build()` runs the recipe's passes in order into a staging folder, eva
 result against the recipe's quality bounds, writes manifest.json (deterministic) and build.json
 (timings, host), and only then moves the folder to `<output>/<name>/<version>`. A failed build
 leaves no artifact behind.
+
+A recipe with a `speculative:` section first builds its draft model (a checkpoint folder, or a
+truncated-layer copy of the source written to a temporary folder: compiler/draft.py) with the same
+target, passes and runtime settings and no quality gate, into `<output>/<name>-draft/<version>`; the
+target's manifest records it under `speculative.draft` (name, version, path relative to the target,
+manifest sha256), after checking the two share the tokenizer.
 """
 
 from __future__ import annotations
@@ -587,6 +593,9 @@ def build(recipe_path: str | Path, progress: bool = True, output: str | Path | N
             raise BuildError(f"pass {ps.name!r}: {problem}")
     out_root = Path(output).resolve() if output is not None else recipe.output
     final = check_version_unused(out_root, recipe.name, recipe.version)
+    draft: Path | None = None
+    if recipe.speculative is not None:
+        draft = _build_draft(recipe, out_root, autotune)
     staging = final.parent / f".{recipe.version}.staging-{os.getpid()}"
     created_parent = not final.parent.exists()
     if staging.exists():
@@ -623,6 +632,8 @@ def build(recipe_path: str | Path, progress: bool = True, output: str | Path | N
                 if bar:
                     bar.advance(task)
             manifest = _manifest(ctx, src_sha, pass_records)
+            if draft is not None:
+                manifest["speculative"] = _pairing(recipe, staging, manifest, draft, final)
             write_manifest(staging, manifest)  # provisional: lets the runtime verify and load it
             if bar:
                 bar.update(task, description="quality gate")
@@ -646,6 +657,12 @@ def build(recipe_path: str | Path, progress: bool = True, output: str | Path | N
         staging.rename(final)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
+        if draft is not None:
+            shutil.rmtree(draft, ignore_errors=True)
+            try:
+                draft.parent.rmdir()
+            except OSError:
+                pass
         if created_parent:
             try:
                 final.parent.rmdir()  # leave no empty <name>/ folder behind either
@@ -654,6 +671,65 @@ def build(recipe_path: str | Path, progress: bool = True, output: str | Path | N
         raise
     log.info("built %s in %.1f s", final, timings["total"])
     return final
+
+
+def _build_draft(recipe: Recipe, out_root: Path, autotune: bool) -> Path:
+    """Build the recipe's draft model (module doc) into <out_root>/<name>-draft/<version>."""
+    import tempfile
+
+    import yaml
+
+    from compiler.draft import truncate_checkpoint
+
+    spec = recipe.speculative
+    assert spec is not None
+    check_version_unused(out_root, f"{recipe.name}-draft", recipe.version)
+    data = yaml.safe_load(recipe.text)
+    base = recipe.path.resolve().parent
+    with tempfile.TemporaryDirectory(prefix="optimize-draft-") as tmp:
+        if spec.truncate_layers is not None:
+            try:
+                ckpt = truncate_checkpoint(recipe.checkpoint, Path(tmp) / "checkpoint", spec.truncate_layers)
+            except (OSError, ValueError, KeyError) as exc:
+                raise recipe.error("speculative.draft.truncate_layers", f"cannot truncate the checkpoint: {exc}") \
+                    from exc
+        else:
+            assert spec.checkpoint is not None
+            ckpt = spec.checkpoint
+        data["name"] = f"{recipe.name}-draft"
+        data["source"] = {**data["source"], "checkpoint": str(ckpt)}
+        if "calibration" in data:
+            data["calibration"]["data"] = str((base / data["calibration"]["data"]).resolve())
+        for key in ("quality", "speculative", "output"):
+            data.pop(key, None)
+        path = Path(tmp) / f"{data['name']}.yaml"
+        path.write_text(f"# The draft model of {recipe.path.name} (its speculative: section)\n"
+                        + yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
+        log.info("building the draft model %s from %s", data["name"], ckpt)
+        try:
+            return build(path, progress=False, output=out_root, autotune=autotune)
+        except RecipeError as exc:
+            raise BuildError(f"the draft model of {recipe.path}: {exc}") from exc
+
+
+def _pairing(recipe: Recipe, staging: Path, manifest: dict[str, Any], draft: Path, final: Path) -> dict[str, Any]:
+    """The target manifest's `speculative` record; BuildError when the draft's tokenizer is not the target's."""
+    from runtime.artifact import Artifact, ArtifactError, read_manifest, sha256_file
+    from runtime.draft import check_pairing
+
+    spec = recipe.speculative
+    assert spec is not None
+    try:
+        check_pairing(Artifact(root=staging, manifest=manifest), Artifact(root=draft, manifest=read_manifest(draft)))
+    except ArtifactError as exc:
+        raise BuildError(f"speculative.draft: {exc}") from exc
+    dm = read_manifest(draft)
+    source = (f"the first {spec.truncate_layers} layers of source.checkpoint" if spec.truncate_layers is not None
+              else recipe.as_dict()["speculative"]["draft"]["checkpoint"])
+    return {"num_tokens": spec.num_tokens,
+            "draft": {"name": dm["name"], "version": dm["version"], "path": os.path.relpath(draft, final),
+                      "manifest_sha256": sha256_file(draft / "manifest.json"), "source": source,
+                      "num_layers": Artifact(root=draft, manifest=dm).runtime_config["model"].get("num_layers")}}
 
 
 def _manifest(ctx: BuildContext, src_sha: str, pass_records: list[dict[str, Any]]) -> dict[str, Any]:

@@ -349,7 +349,11 @@ def eval_cmd(artifact: Path, data: Path, reference: Path | None, chunk_len: int,
               help="Allow cross-site requests from this origin (repeatable; * for any). Default: no CORS.")
 @click.option("--speculative", default=None, metavar="SPEC",
               help="Speculative decoding for requests that do not set their `speculative` field: ngram, or "
-                   "ngram:k=4,n=3,min=1 (k proposals per step, matching the last n..min tokens). Default: off.")
+                   "ngram:k=4,n=3,min=1 (k proposals per step, matching the last n..min tokens), or draft, "
+                   "draft:k=4 (a draft model proposes). Default: off.")
+@click.option("--draft-artifact", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="The draft model of speculative method draft (same tokenizer). Default: the one the artifact's "
+                   "manifest pairs (recipe `speculative:` section), loaded when --speculative is draft.")
 @_reference_options
 def serve(artifact: str, host: str, port: int, api_key: str | None, served_model_name: str | None,
           max_waiting: int, request_timeout: float, max_body_bytes: int, shutdown_grace: float,

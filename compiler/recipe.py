@@ -39,6 +39,7 @@ __all__ = [
     "Recipe",
     "RecipeError",
     "RuntimeDefaults",
+    "SpeculativeSpec",
     "Target",
     "load_recipe",
 ]
@@ -135,6 +136,16 @@ class CalibrationSpec:
 
 
 @dataclass(frozen=True)
+class SpeculativeSpec:
+    """Speculative decoding's draft, built alongside the target: a checkpoint folder, or the source
+    checkpoint's first `truncate_layers` decoder layers (compiler/draft.py)."""
+
+    num_tokens: int = 4
+    checkpoint: Path | None = None
+    truncate_layers: int | None = None
+
+
+@dataclass(frozen=True)
 class Recipe:
     """A validated recipe. Paths are resolved absolute; ``as_dict`` keeps them as written."""
 
@@ -152,6 +163,7 @@ class Recipe:
     lines: dict[str, int] = field(repr=False)  # dotted field path -> 1-based line; "" is the document
     _data: dict[str, Any] = field(repr=False, compare=False)
     calibration: CalibrationSpec | None = None
+    speculative: SpeculativeSpec | None = None
 
     def error(self, field: str, message: str) -> RecipeError:
         """An error located at ``field``'s line (or its nearest enclosing field's line)."""
@@ -240,6 +252,31 @@ def load_recipe(path: str | Path, pass_options: Mapping[str, type | None] | None
             raise err("calibration.data", f"calibration data file {what}: {calib_data}")
         calibration = CalibrationSpec(data=calib_data, **{k: v for k, v in c.items() if k != "data"})
 
+    speculative = None
+    if "speculative" in data:
+        sp = data["speculative"]
+        draft = sp["draft"]
+        draft_ckpt = None
+        if "checkpoint" in draft:
+            draft_ckpt = _resolve(base, draft["checkpoint"])
+            if not draft_ckpt.is_dir():
+                what = "is not a folder" if draft_ckpt.exists() else "not found"
+                raise err("speculative.draft.checkpoint", f"draft checkpoint folder {what}: {draft_ckpt}")
+            if draft_ckpt == checkpoint:
+                raise err("speculative.draft.checkpoint", "the draft must be another (smaller) checkpoint than "
+                                                          "source.checkpoint")
+        layers = draft.get("truncate_layers")
+        if layers is not None:
+            try:
+                total = int(json.loads((checkpoint / "config.json").read_text("utf-8"))["num_hidden_layers"])
+            except (OSError, ValueError, KeyError, TypeError):
+                total = None
+            if total is not None and layers >= total:
+                raise err("speculative.draft.truncate_layers", f"{layers} is not below the {total} layers of "
+                                                               "source.checkpoint")
+        speculative = SpeculativeSpec(num_tokens=sp.get("num_tokens", 4), checkpoint=draft_ckpt,
+                                      truncate_layers=layers)
+
     output = _resolve(base, data["output"]) if "output" in data else Path(DEFAULT_OUTPUT).resolve()
 
     normalized: dict[str, Any] = {
@@ -252,6 +289,8 @@ def load_recipe(path: str | Path, pass_options: Mapping[str, type | None] | None
         "quality": {"max_eval_tokens": quality.max_eval_tokens or "auto", **q},
         "output": data.get("output", DEFAULT_OUTPUT),
     }
+    if speculative is not None:
+        normalized["speculative"] = {"num_tokens": speculative.num_tokens, "draft": dict(data["speculative"]["draft"])}
     if calibration is not None:
         normalized["calibration"] = {**{f.name: getattr(calibration, f.name) for f in dataclasses.fields(calibration)},
                                      "data": data["calibration"]["data"],
@@ -271,6 +310,7 @@ def load_recipe(path: str | Path, pass_options: Mapping[str, type | None] | None
         lines=lines,
         _data=copy.deepcopy(normalized),
         calibration=calibration,
+        speculative=speculative,
     )
     log.debug("loaded recipe %s: %s %s, %d passes", file, recipe.name, recipe.version, len(passes))
     return recipe
@@ -420,6 +460,8 @@ def _validate_schema(file: str, data: Any, lines: Mapping[str, int]) -> None:
         message = f"must be one of {', '.join(map(str, expected))}; got {inst!r}"
     elif kind == "pattern" and path in _PATTERN_HINTS:
         message = f"{_PATTERN_HINTS[path]}; got {inst!r}"
+    elif kind in ("minProperties", "maxProperties") and path.endswith("speculative.draft"):
+        message = f"give exactly one of {', '.join(error.schema.get('properties', {}))}"
     elif kind == "minItems" and not inst:
         message = "must not be empty"
     raise RecipeError(file, _line_for(lines, path), path, message)

@@ -643,6 +643,15 @@ def _describe(manifest: dict[str, Any]) -> list[tuple[str, str]]:
                                   f"{parity.get('tokens')} tokens"))
     elif tok is not None:
         rows.append(("tokenizer", _line(tok)))
+    spec = manifest.get("speculative")
+    if isinstance(spec, dict) and isinstance(spec.get("draft"), dict):
+        d = spec["draft"]
+        layers = f", {d['num_layers']} layers" if d.get("num_layers") else ""
+        rows.append(("speculative", f"draft {d.get('name')} {d.get('version')} at {d.get('path')} "
+                                    f"(manifest sha256 {str(d.get('manifest_sha256'))[:12]}{layers}; "
+                                    f"from {d.get('source')}), k={spec.get('num_tokens')}"))
+    elif spec is not None:
+        rows.append(("speculative", _line(spec)))
     cg = manifest.get("cuda_graphs")
     if isinstance(cg, dict):
         text = f"{'applies' if cg.get('applies') else 'does not apply'}: {cg.get('reason', '-')}"

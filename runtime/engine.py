@@ -25,6 +25,7 @@ import numpy as np
 
 from runtime.artifact import Artifact, ArtifactError
 from runtime.core import CORE_IMPL, RNG, Scheduler, SchedulerConfig
+from runtime.draft import DraftModel, paired_draft
 from runtime.sampling import Sampler, SamplingParams, make_generator
 from runtime.speculative import SpeculativeConfig, ngram_propose, verify_greedy, verify_sampled
 from runtime.structured import Grammars, mask_words
@@ -204,11 +205,15 @@ class LLMEngine:
         graphs: str | None = None,
         overlap_masks: bool | None = None,
         speculative: SpeculativeConfig | None = None,
+        draft: str | Path | Artifact | bool | None = None,
     ) -> None:
         """`overlap_masks`: compute structured output's token masks on a worker thread during the forward
         (default; OPTIMIZE_MASK_OVERLAP=0 turns it off) rather than before it on the engine thread.
         `speculative`: the default of requests that do not say (`add_request(speculative=...)`); None:
-        plain decoding unless a request opts in."""
+        plain decoding unless a request opts in.
+        `draft`: the draft model of method "draft" (runtime/draft.py): an artifact folder (or Artifact),
+        True for the one the target's manifest pairs with it, False for none; None (default): the paired
+        one when `speculative` is a "draft" config, else none."""
         if speculative is not None:
             speculative.validate()
         self.speculative = speculative
@@ -253,8 +258,32 @@ class LLMEngine:
                                       # speculative decoding: proposals verified / accepted, and per draft
                                       # position j (0-based) how often one was verified / accepted there
                                       "spec_steps": 0, "spec_proposed": 0, "spec_accepted": 0,
-                                      "spec_position_proposed": [], "spec_position_accepted": []}
+                                      "spec_position_proposed": [], "spec_position_accepted": [],
+                                      # the same counters by method ("ngram", "draft")
+                                      "spec_by_method": {}}
+        self.draft_model: DraftModel | None = self._load_draft(draft, threads, device)
+        if speculative is not None and speculative.method == "draft" and self.draft_model is None:
+            raise ValueError("speculative method 'draft' needs a draft model: pass `draft` (an artifact folder) "
+                             "or build the target from a recipe with a `speculative:` section")
         log.info("engine ready: %s %s, core=%s", self.artifact.name, self.artifact.version, CORE_IMPL)
+
+    def _load_draft(self, draft: str | Path | Artifact | bool | None, threads: int | None,
+                    device: str | None) -> DraftModel | None:
+        if draft is None:
+            draft = self.speculative is not None and self.speculative.method == "draft"
+        if draft is False:
+            return None
+        if draft is True:
+            folder = paired_draft(self.artifact)
+            if folder is None:
+                raise ArtifactError(f"{self.artifact.root}: its manifest pairs no draft model (build it from a "
+                                    "recipe with a `speculative:` section, or pass the draft artifact's folder)")
+            draft = folder
+        art = draft if isinstance(draft, Artifact) else Artifact.open(draft, verify=True)
+        sc = self.scheduler_config
+        return DraftModel(art, self.artifact, num_blocks=sc.num_blocks, block_size=sc.block_size,
+                          max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens,
+                          max_model_len=sc.max_model_len, threads=threads, device=device)
 
     @property
     def grammars(self) -> Grammars:
@@ -310,6 +339,8 @@ class LLMEngine:
             speculative = None
         elif isinstance(speculative, SpeculativeConfig):
             speculative.validate()
+            if speculative.method == "draft" and self.draft_model is None:
+                raise ValueError("speculative method 'draft': this engine has no draft model loaded")
         else:
             raise ValueError(f"speculative must be None, a bool or a SpeculativeConfig, got {speculative!r}")
         grammar = None if params.structured is None else self.grammars.matcher(params.structured)
@@ -336,6 +367,8 @@ class LLMEngine:
             return
         self.scheduler.abort(req.seq_id)
         self._by_seq.pop(req.seq_id, None)
+        if self.draft_model is not None:
+            self.draft_model.forget(req.seq_id)
         req.status = RequestStatus.FINISHED_ABORTED
 
     def has_unfinished(self) -> bool:
@@ -350,7 +383,12 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model, sample, apply stop conditions; outputs of requests that changed."""
         drafts = self._propose()
+        preemptions = self.scheduler.num_preemptions
         batch = self.scheduler.schedule(drafts) if drafts else self.scheduler.schedule()
+        if self.draft_model is not None and self.scheduler.num_preemptions != preemptions:
+            for r in self._requests.values():  # a preempted sequence's blocks (and draft K/V) are gone
+                if r.speculative is not None and not self.scheduler.seq_block_table(r.seq_id):
+                    self.draft_model.forget(r.seq_id)
         if batch is None:
             return []
         started = time.perf_counter()
@@ -426,6 +464,7 @@ class LLMEngine:
         """This step's drafts (seq id -> proposed tokens) of the running speculative requests."""
         drafts: dict[int, list[int]] = {}
         limit = self.scheduler_config.max_model_len
+        by_draft: list[tuple[int, list[int], list[int], int]] = []
         for r in self._requests.values():
             spec = r.speculative
             r.draft = []
@@ -436,10 +475,17 @@ class LLMEngine:
             k = min(spec.num_tokens, r.params.max_tokens - len(r.output_ids) - 1, limit - known - 1)
             if k < 1:
                 continue
+            if spec.method == "draft":
+                by_draft.append((r.seq_id, r.prompt_ids + r.output_ids, self.scheduler.seq_block_table(r.seq_id), k))
+                continue
             draft = ngram_propose(r.prompt_ids + r.output_ids, k, spec.ngram_max, spec.ngram_min)
             if draft:
                 r.draft = draft
                 drafts[r.seq_id] = draft
+        if by_draft and self.draft_model is not None:
+            for seq_id, draft in self.draft_model.propose(by_draft).items():
+                self._by_seq[seq_id].draft = draft
+                drafts[seq_id] = draft
         return drafts
 
     def _sample_or_verify(self, logits: np.ndarray, rows: list[np.ndarray] | None, reqs: list[_Request],
@@ -465,6 +511,10 @@ class LLMEngine:
             st["spec_steps"] += 1
             st["spec_proposed"] += d
             st["spec_accepted"] += n_acc
+            method = st["spec_by_method"].setdefault(r.speculative.method if r.speculative else "ngram",
+                                                     {"proposed": 0, "accepted": 0})
+            method["proposed"] += d
+            method["accepted"] += n_acc
             for name in ("spec_position_proposed", "spec_position_accepted"):
                 if len(st[name]) < d:
                     st[name].extend([0] * (d - len(st[name])))
@@ -550,6 +600,8 @@ class LLMEngine:
             self.scheduler.finish(r.seq_id)
             self._requests.pop(r.request_id, None)
             self._by_seq.pop(r.seq_id, None)
+            if self.draft_model is not None:
+                self.draft_model.forget(r.seq_id)
         return self._output(r) if emit else None
 
     def _output(self, r: _Request) -> RequestOutput | None:

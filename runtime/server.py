@@ -18,8 +18,8 @@ n..16; above n not streamed), stream, stream_options.include_usage, logprobs (co
 alternatives; chat: bool with top_logprobs 0..20), echo (completions; with logprobs the prompt's tokens
 lead the logprobs object, not streamed; max_tokens 0 with echo scores the prompt alone), and the vLLM
 extensions prompt_logprobs (0..20, not streamed), ignore_eos, stop_token_ids and cache_salt (requests
-share prefix-cache blocks only with the same salt), and `speculative` (true, false, or {"method": "ngram",
-"num_tokens": k, "ngram_max": n, "ngram_min": m}; absent: the server's --speculative default;
+share prefix-cache blocks only with the same salt), and `speculative` (true, false, {"method": "ngram",
+"num_tokens": k, "ngram_max": n, "ngram_min": m} or, with a draft model loaded, {"method": "draft", "num_tokens": k}; absent: the server's --speculative default;
 runtime/speculative.py: exact, the same tokens greedy and the same distribution sampled). Logprobs are log_softmax of the model's raw logits
 (before temperature/top-k/top-p). presence_penalty, frequency_penalty, repetition_penalty and min_p go
 to the sampler where this runtime's SamplingParams has them (else 400 unless neutral); logit_bias,
@@ -171,8 +171,11 @@ class ServerConfig:
     cache_salt_header: str | None = None
     cors_origins: tuple[str, ...] = ()  # origins allowed cross-site (CORS); empty: no CORS headers
     # Speculative decoding for requests that do not say (their `speculative` field): None: off, else the
-    # default config ("ngram", "ngram:k=4,n=3,min=1": runtime/speculative.py).
+    # default config ("ngram", "ngram:k=4,n=3,min=1", "draft:k=4": runtime/speculative.py).
     speculative: str | None = None
+    # The draft model of method "draft" (runtime/draft.py). None: the one the artifact's manifest pairs,
+    # loaded when `speculative` is a "draft" config; a folder: that artifact, loaded in any case.
+    draft_artifact: Path | None = None
 
     def validate(self) -> None:
         if self.max_waiting < 1:  # every request waits at least until the engine's next step
@@ -763,7 +766,8 @@ class Server:
         engine = LLMEngine(artifact, num_blocks=c.num_kv_blocks, max_num_seqs=c.max_num_seqs,
                            max_num_batched_tokens=c.max_num_batched_tokens, max_model_len=c.max_model_len,
                            threads=c.threads, device=c.device, graphs=c.cuda_graphs,
-                           speculative=SpeculativeConfig.parse(c.speculative) if c.speculative else None)
+                           speculative=SpeculativeConfig.parse(c.speculative) if c.speculative else None,
+                           draft=c.draft_artifact)
         self.codec = TextCodec(artifact.tokenizer_dir)
         self.chat = ChatTemplate(engine.tokenizer.config)
         self.tokenizer_config = dict(engine.tokenizer.config)
@@ -1266,6 +1270,10 @@ class Server:
             await self._compile(engine, parsed.params.structured, body)
         salt = self._cache_salt(request, body)
         speculative = _speculative(body)
+        if isinstance(speculative, SpeculativeConfig) and speculative.method == "draft" \
+                and engine.engine.draft_model is None:
+            raise _invalid("speculative: method 'draft' needs a draft model; this server has none loaded "
+                           "(optimize serve --draft-artifact, or --speculative draft)", "speculative")
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         jobs = self._jobs(request, codec, parsed, rid, salt, arrival, chat, speculative)
         if parsed.stream:

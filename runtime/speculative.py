@@ -18,7 +18,9 @@ proposals to keep plus one more token. Both are exact:
 
 The n-gram proposer (prompt lookup decoding) needs no second model: it finds the most recent earlier
 occurrence of the last n tokens (n from `ngram_max` down to `ngram_min`) in prompt + output and
-proposes the k tokens that followed it.
+proposes the k tokens that followed it. The draft-model proposer (method "draft", runtime/draft.py)
+runs a second, smaller artifact with the same tokenizer greedily for k tokens; its proposals are a
+point mass too, so the same verification keeps it exact.
 """
 
 from __future__ import annotations
@@ -34,13 +36,14 @@ from runtime.sampling import Sampler, SamplingParams
 
 __all__ = ["SpeculativeConfig", "ngram_propose", "verify_greedy", "verify_sampled"]
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """How one request speculates: `method` "ngram" (prompt lookup), up to `num_tokens` proposals per
-    step, matching the last `ngram_max` .. `ngram_min` tokens."""
+    """How one request speculates: `method` "ngram" (prompt lookup, matching the last `ngram_max` ..
+    `ngram_min` tokens) or "draft" (the engine's draft model; the n-gram fields are unused), up to
+    `num_tokens` proposals per step."""
 
     method: str = "ngram"
     num_tokens: int = 4
@@ -71,14 +74,15 @@ class SpeculativeConfig:
 
     @classmethod
     def parse(cls, text: str) -> SpeculativeConfig:
-        """From the command line: "ngram", "ngram:k=4", "ngram:k=6,n=4,min=2"."""
+        """From the command line: "ngram", "ngram:k=4", "ngram:k=6,n=4,min=2", "draft", "draft:k=4"."""
         method, _, rest = text.strip().partition(":")
-        names = {"k": "num_tokens", "n": "ngram_max", "min": "ngram_min"}
+        names = {"k": "num_tokens"} if method == "draft" else {"k": "num_tokens", "n": "ngram_max", "min": "ngram_min"}
         kwargs: dict[str, Any] = {"method": method}
         for item in filter(None, (s.strip() for s in rest.split(","))):
             key, eq, value = item.partition("=")
             if not eq or key.strip() not in names:
-                raise ValueError(f"speculative option {item!r}: expected k=N, n=N or min=N")
+                raise ValueError(f"speculative option {item!r}: expected "
+                                 + ("k=N" if method == "draft" else "k=N, n=N or min=N"))
             try:
                 kwargs[names[key.strip()]] = int(value)
             except ValueError:

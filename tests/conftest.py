@@ -23,6 +23,18 @@ def demo_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build(DEMO_RECIPE, progress=False, output=out, autotune=False)
 
 
+@pytest.fixture(scope="session")
+def tiny_vocab_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random 2-layer Llama with a 32-token vocabulary (peaked: its weights are scaled up), built with a
+    `speculative:` section: its first layer, a 1-layer draft, is built alongside and paired in the manifest."""
+    from compiler.build import build
+
+    folder = tmp_path_factory.mktemp("tiny-vocab")
+    ckpt = make_random_checkpoint(folder / "ckpt", "LlamaForCausalLM", seed=3, vocab_size=32)
+    extra = "speculative:\n  num_tokens: 3\n  draft:\n    truncate_layers: 1\n"
+    return build(write_recipe(folder, ckpt, name="tiny-vocab", extra=extra), progress=False, autotune=False)
+
+
 def write_recipe(folder: Path, checkpoint: Path, name: str = "test-model", passes: str | None = None,
                  extra: str = "", runtime: str | None = None, backend: str = "onnxruntime", device: str = "cpu",
                  dtype: str = "float32", matmul: str | None = None) -> Path:

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import make_random_checkpoint, write_recipe
 from scipy import stats
 from test_parity import DEMO_PROMPTS
 
@@ -47,7 +46,7 @@ def test_ngram_propose_takes_the_latest_longest_match() -> None:
 def test_speculative_config_parsing() -> None:
     assert SpeculativeConfig.parse("ngram:k=6,n=4,min=2") == SpeculativeConfig("ngram", 6, 4, 2)
     assert SpeculativeConfig.from_dict({"num_tokens": 2}) == SpeculativeConfig(num_tokens=2)
-    for bad in ("draft", "ngram:k=0", "ngram:x=1", "ngram:n=1,min=2"):
+    for bad in ("medusa", "ngram:k=0", "ngram:x=1", "ngram:n=1,min=2", "draft:n=3"):
         with pytest.raises(ValueError):
             SpeculativeConfig.parse(bad)
     with pytest.raises(ValueError, match="unknown field"):
@@ -180,16 +179,6 @@ def test_rejection_scheme_preserves_the_distribution() -> None:
             observed = np.array([counts[int(t)] for t in support])
             _, pvalue = stats.chisquare(observed, p[support] * total)
             assert pvalue > 1e-3, (x, observed, p[support] * total)
-
-
-@pytest.fixture(scope="module")
-def tiny_vocab_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random 2-layer Llama with a 32-token vocabulary (peaked: its weights are scaled up)."""
-    from compiler.build import build
-
-    folder = tmp_path_factory.mktemp("tiny-vocab")
-    ckpt = make_random_checkpoint(folder / "ckpt", "LlamaForCausalLM", seed=3, vocab_size=32)
-    return build(write_recipe(folder, ckpt, name="tiny-vocab"), progress=False, autotune=False)
 
 
 def test_sampled_speculative_matches_plain_sampling(tiny_vocab_artifact: Path) -> None:
