@@ -31,6 +31,8 @@ FAMILIES = {
     "olmo2": ("Olmo2ForCausalLM", {}),
     "gemma2": ("Gemma2ForCausalLM", {}),
     "gemma3": ("Gemma3ForCausalLM", {}),
+    "mixtral": ("MixtralForCausalLM", {}),
+    "qwen2-moe": ("Qwen2MoeForCausalLM", {}),
 }
 
 
@@ -48,7 +50,8 @@ def test_calibration_runs_the_layers_the_artifact_computes(family: str, lengths:
     samples = [list(range(5, 5 + lengths[0])), list(range(100, 100 + lengths[1]))]
     runner = LayerRunner(model, samples)
     assert (runner.batches[0].seq_len is not None) == (lengths[0] == lengths[1] and family in
-                                                       ("granite", "phi3-longrope-partial", "olmo2"))
+                                                       ("granite", "phi3-longrope-partial", "olmo2", "mixtral",
+                                                        "qwen2-moe"))
     for i in range(len(model.layers)):
         runner.advance(i)
     hidden = torch.cat(runner.hidden)  # one batch: both samples packed

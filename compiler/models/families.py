@@ -3,7 +3,8 @@
 `nearest_family(cfg)` compares a Hugging Face `config.json` with the families of
 compiler/models/llama.py (FAMILIES: one decoder with RMSNorm, RoPE, GQA and a SiLU-gated MLP, differing in
 QKV bias, q/k RMSNorm, sliding windows, multipliers, fused weights, partial rotary and norm placement). The comparison
-reads config keys (activation, norm, soft-capping, experts, latent attention, rotary, multipliers,
+reads config keys (activation, norm, soft-capping, experts (nearest then a mixture-of-experts family),
+latent attention, rotary, multipliers,
 ...) plus, for a few well-known model types, what their config does not say (Gemma's (1+w)
 RMSNorm, fused projection weights, ...). The dry run and the build print it when they refuse a
 checkpoint, so the message says how far the checkpoint is from one we build.
@@ -27,16 +28,18 @@ FAMILIES = {
     "olmo2": "Olmo2ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
+# the mixture-of-experts family of a dense one's attention (a checkpoint with experts is nearest to it)
+_MOE_OF = {"llama": "mixtral", "mistral": "mixtral", "qwen2": "qwen2_moe", "qwen3": "qwen3_moe"}
 
 _NON_GATED = "a non-gated MLP (fc in -> activation -> fc out; ours: gate_proj/up_proj/down_proj)"
 # model_type -> (nearest family, differences its config keys do not show)
 KNOWN: dict[str, tuple[str, list[str]]] = {
     "gemma": ("gemma2", ["RMSNorm before each branch only (gemma2: before and after)"]),
     "phi": ("llama", [_NON_GATED, "a bias on every projection"]),
-    "mixtral": ("mistral", []),
-    "qwen2_moe": ("qwen2", ["a shared expert with a sigmoid gate next to the routed experts"]),
-    "qwen3_moe": ("qwen3", []),
     "cohere": ("llama", ["attention and MLP in parallel on one residual (ours: one after the other)"]),
     "starcoder2": ("mistral", [_NON_GATED, "a bias on every projection"]),
     "gpt2": ("llama", ["learned absolute position embeddings (ours: RoPE)", _NON_GATED,
@@ -92,7 +95,7 @@ def config_differences(cfg: dict[str, Any], gated: bool = True, family: str = "l
         out.append(f"attention scale 1/sqrt(query_pre_attn_scalar={cfg['query_pre_attn_scalar']}) "
                    "(ours: 1/sqrt(head_dim))")
     experts = _num(cfg, "num_local_experts", "num_experts", "n_routed_experts")
-    if experts:
+    if experts and family not in _MOE_OF.values():
         per_token = _num(cfg, "num_experts_per_tok", "num_experts_per_token", "moe_topk")
         out.append(f"mixture of experts ({experts} experts" + (f", {per_token} per token" if per_token else "")
                    + "; ours: one dense MLP)")
@@ -131,8 +134,10 @@ def nearest_family(cfg: dict[str, Any]) -> Nearest:
         family = "mistral"
     else:
         family = "llama"
+    if _num(cfg, "num_local_experts", "num_experts", "n_routed_experts") and family in _MOE_OF:
+        family = _MOE_OF[family]
     differences = config_differences(cfg, gated=_NON_GATED not in extra, family=family)
-    if family == "qwen3":  # Qwen3 has q/k norms (RMSNorm)
+    if family in ("qwen3", "qwen3_moe"):  # Qwen3 has q/k norms (RMSNorm)
         differences = [d for d in differences if d != "q/k LayerNorm"]
     return Nearest(family, FAMILIES[family], tuple(differences + extra))
 
