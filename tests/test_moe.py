@@ -161,10 +161,10 @@ def test_quantized_experts_pass_the_accuracy_gate(moe_ckpt: tuple[str, Path], me
 def test_an_expert_no_calibration_token_reaches_is_named(tmp_path: Path) -> None:
     """Routers that never pick expert 3: GPTQ rounds that expert to nearest and says so in the manifest.
     (Hidden channel 0 is a positive constant: the embeddings set it and no layer writes to it; each router's
-    row 3 weighs it by -1000.)"""
+    row 3 weighs it by -1000, the others by 0.)"""
     ckpt = make_random_checkpoint(tmp_path / "ckpt", "MixtralForCausalLM", seed=4)
     weights = load_file(ckpt / "model.safetensors")
-    weights["model.embed_tokens.weight"][:, 0] = 10.0
+    weights["model.embed_tokens.weight"][:, 0] = 1.0
     for name, w in weights.items():
         if name.endswith(("o_proj.weight", "w2.weight", "down_proj.weight")):
             w[0] = 0.0
