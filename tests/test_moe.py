@@ -158,24 +158,44 @@ def test_quantized_experts_pass_the_accuracy_gate(moe_ckpt: tuple[str, Path], me
     assert ops.count("MatMulNBits") >= 2 * cfg.num_experts * cfg.num_layers  # gate/up fused, down
 
 
-def test_an_expert_no_calibration_token_reaches_is_named(tmp_path: Path) -> None:
-    """Routers that never pick expert 3: GPTQ rounds that expert to nearest and says so in the manifest.
+@pytest.mark.parametrize("method", ["gptq", "fp8"])
+def test_an_expert_no_calibration_token_reaches_is_named(method: str, tmp_path: Path) -> None:
+    """Routers that never pick expert 3: GPTQ rounds that expert to nearest, FP8 gives its inputs the layer's
+    range of the same role, and each says so in the manifest; the artifact runs.
     (Hidden channel 0 is a positive constant: the embeddings set it and no layer writes to it; each router's
     row 3 weighs it by -1000, the others by 0.)"""
+    from runtime.engine import LLMEngine
+    from runtime.sampling import SamplingParams
+
     ckpt = make_random_checkpoint(tmp_path / "ckpt", "MixtralForCausalLM", seed=4)
     weights = load_file(ckpt / "model.safetensors")
     weights["model.embed_tokens.weight"][:, 0] = 1.0
     for name, w in weights.items():
         if name.endswith(("o_proj.weight", "w2.weight", "down_proj.weight")):
             w[0] = 0.0
-        elif name.endswith("gate.weight"):
+        elif name.endswith("gate.weight"):  # experts 0-2 routed by the other channels as before
+            w[:3, 0] = 0.0
             w[3, 0] = -1000.0
     save_file(weights, str(ckpt / "model.safetensors"))
     extra = f"calibration:\n  data: {DEMO_MODEL / 'calib.txt'}\n  num_samples: 4\n  seq_len: 64\n"
-    passes = "  - name: capture\n  - name: quantize_gptq\n  - name: lower_onnx\n  - name: lower_quant\n  - name: package\n"
+    passes = (f"  - name: capture\n  - name: quantize_{method}\n  - name: lower_onnx\n  - name: lower_quant\n"
+              "  - name: package\n")
     artifact = build(write_recipe(tmp_path, ckpt, name="unseen", passes=passes, extra=extra), progress=False)
     stats = next(p for p in json.loads((artifact / "manifest.json").read_text())["passes"]
-                 if p["name"] == "quantize_gptq")["stats"]
-    assert stats["unseen_rtn"] == [f"layers.{i}.mlp.experts.3.{r}" for i in range(2)
-                                   for r in ("gate_proj", "up_proj", "down_proj")]
-    assert np.isfinite(list(stats["reconstruction_loss"].values())).all()
+                 if p["name"] == f"quantize_{method}")["stats"]
+    unseen = [f"layers.{i}.mlp.experts.3.{r}" for i in range(2) for r in ("gate_proj", "up_proj", "down_proj")]
+    if method == "gptq":
+        assert stats["unseen_rtn"] == unseen
+        assert np.isfinite(list(stats["reconstruction_loss"].values())).all()
+    else:
+        assert sorted(stats["unseen_amax_of_role"]) == sorted(unseen)
+        amax = stats["activation_amax"]
+        assert amax["layers.0.mlp.experts.3.gate_proj"] == max(amax[f"layers.0.mlp.experts.{e}.gate_proj"]
+                                                               for e in range(3)) > 0
+    engine = LLMEngine(artifact)
+    engine.add_request("a", list(range(5, 40)), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    out = None
+    while engine.has_unfinished():
+        for o in engine.step():
+            out = o if o.finished else out
+    assert out is not None and len(out.token_ids) == 8
