@@ -432,8 +432,9 @@ class LlamaForwardBatchModel(nn.Module):
         freqs = positions.to(torch.float32).unsqueeze(1) * (self.inv_freq_local if local else self.inv_freq).unsqueeze(0)
         emb = torch.cat([freqs, freqs], dim=-1)
         cos, sin = emb.cos(), emb.sin()
-        if rope_dim(cfg) != cfg.head_dim and rope_attention_factor(cfg) != 1.0:  # as transformers: on cos/sin
-            cos, sin = cos * rope_attention_factor(cfg), sin * rope_attention_factor(cfg)
+        factor = rope_attention_factor(cfg) if rope_dim(cfg) != cfg.head_dim else 1.0
+        if factor != 1.0:  # a partial rotation: on cos/sin, as transformers
+            cos, sin = cos * factor, sin * factor
         return cos.to(dtype), sin.to(dtype)
 
     def attention_input(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
