@@ -223,9 +223,12 @@ def test_plan_refuses_quantization_recipes_that_cannot_work(tmp_path: Path, pass
 @pytest.mark.parametrize("options,message", [
     ("      group_size: 100\n", "power of two"),
     ("      damp: 0\n", "damp must be in"),
+    ("      rounding: stochastic\n", "rounding must be 'nearest' or 'gptq'"),
+    ("      duo_scaling: sometimes\n", "duo_scaling must be"),
 ])
 def test_quantizer_options_are_checked(tmp_path: Path, options: str, message: str) -> None:
-    passes = f"  - name: capture\n  - name: quantize_gptq\n    options:\n{options}  - name: lower_onnx\n" \
+    method = "awq" if "rounding" in options or "duo_scaling" in options else "gptq"
+    passes = f"  - name: capture\n  - name: quantize_{method}\n    options:\n{options}  - name: lower_onnx\n" \
              "  - name: lower_quant\n  - name: package\n"
     recipe = write_recipe(tmp_path, DEMO_MODEL, passes=passes,
                           extra=f"calibration:\n  data: {DEMO_MODEL / 'calib.txt'}\n")
@@ -243,6 +246,7 @@ def test_calibration_file_must_exist(tmp_path: Path) -> None:
 @pytest.mark.parametrize("method,options", [
     ("awq", "      group_size: 32\n      n_grid: 10\n      clip: true\n"),
     ("awq", "      group_size: 32\n      n_grid: 10\n      sequential: true\n      duo_scaling: both\n"),
+    ("awq", "      group_size: 32\n      n_grid: 10\n      sequential: true\n      rounding: gptq\n"),
     ("gptq", "      group_size: 32\n      act_order: true\n"),
     ("gptq", "      group_size: 32\n      act_order: true\n      range_search: true\n"),
 ])

@@ -3,7 +3,9 @@
 Layer by layer over the recipe's calibration windows (compiler/quant/calibration.py): capture each
 Linear's input, search and fold the scales of each input-sharing group, search the clipping range
 of each Linear but q/k, then round to nearest with those ranges (compiler/quant/awq.py). The next
-layer's input is the unquantized layer's output, as in AutoAWQ.
+layer's input is the unquantized layer's output, as in AutoAWQ. `rounding: gptq` replaces the
+round-to-nearest (and the clip search) by GPTQ on each scaled Linear: AWQ's scales with GPTQ's
+rounding, a hybrid, not plain AWQ.
 """
 
 from __future__ import annotations
@@ -81,9 +83,18 @@ class AwqOptions:
     # Linears left unclipped (name patterns); q/k by default: the attention softmax amplifies their errors
     clip_skip: list[str] = field(default_factory=lambda: ["q_proj", "k_proj"])
     ignore: list[str] = field(default_factory=lambda: ["lm_head"])
+    # how the scaled weights are rounded: "nearest" (AWQ) or "gptq" (GPTQ's error feedback through the
+    # Hessian of each Linear's scaled input, act_order and range_search as recipes/demo-int4-gptq.yaml;
+    # no clip search: GPTQ's range search takes its place). "gptq" is AWQ scaling + GPTQ, not plain AWQ.
+    rounding: str = "nearest"
+    gptq_damp: float = 0.01  # rounding "gptq": dampening, as quantize_gptq's damp
 
     def __post_init__(self) -> None:
         check_group_size(self.group_size)
+        if self.rounding not in ("nearest", "gptq"):
+            raise ValueError(f"rounding must be 'nearest' or 'gptq', got {self.rounding!r}")
+        if not 0 < self.gptq_damp < 1:
+            raise ValueError(f"gptq_damp must be in (0, 1), got {self.gptq_damp}")
         if self.duo_scaling not in (True, False, "both"):
             raise ValueError(f"duo_scaling must be true, false or 'both', got {self.duo_scaling!r}")
         if self.n_grid < 1 or not 0 <= self.max_shrink < 1 or self.clip_tokens < 1:
@@ -208,7 +219,7 @@ class QuantizeAwqPass(Int4WeightSizes, Pass):
                     st.weights[f"{name}.weight"] = QuantizedWeight(f"{name}.weight", "rtn", q)
             st.weight_method = self.name
             return {"method": "awq", "bits": 4, "group_size": c.group_size, "symmetric": False,
-                    "calibration": cal.record, "scale_ratios": dict(sorted(ratios.items())),
+                    "rounding": c.rounding, "calibration": cal.record, "scale_ratios": dict(sorted(ratios.items())),
                     "scale_groups_skipped": dict(sorted(skipped_groups.items())), "clipped_linears": clipped,
                     "unseen_rtn": unseen,
                     **stats_for(st, model, skipped_modules(model, st.weights, c.ignore))}
@@ -223,12 +234,29 @@ class QuantizeAwqPass(Int4WeightSizes, Pass):
 
         c = self.config
         clipped = 0
+        hessians: dict[str, Any] = {}  # rounding "gptq": per input (a group's Linears share one)
         for n in g.consumers:
             full = f"{prefix}.{n}"
             if full not in targets:
                 continue
             lin = mods[n]
             x = inputs[clip_source(g, n)]
+            if c.rounding == "gptq" and any(t.shape[0] for t in x):
+                from compiler.quant import gptq
+
+                src = clip_source(g, n)
+                if src not in hessians:
+                    hessians[src] = gptq.Hessian(lin.in_features)
+                    for xb in x:
+                        hessians[src].add(xb)
+                try:
+                    q, _loss = gptq.gptq_quantize(lin.weight, hessians[src].value(), c.group_size, c.gptq_damp,
+                                                  act_order=True, range_search=True)
+                except ValueError as e:
+                    raise BuildError(f"{self.name}: {full}: {e}") from e
+                write_weight(lin, q.dequantize())
+                stored[n] = q
+                continue
             max_val = None
             if not any(t.shape[0] for t in x):
                 unseen.append(full)
