@@ -188,19 +188,26 @@ def test_sampled_speculative_matches_plain_sampling(tiny_vocab_artifact: Path) -
     both the acceptance and the residual draw are exercised."""
     prompt = [5, 6, 7, 8, 5, 6, 7, 8, 26, 21, 18, 18, 18, 21, 8, 23, 18, 21, 8, 23, 18, 21, 21, 21, 21, 21, 23, 18,
               21, 23, 18, 21, 21]
-    n, length = 600, 5
+    assert_sampled_like_plain(tiny_vocab_artifact, prompt, SpeculativeConfig(num_tokens=3), temperature=0.2,
+                              min_accepted=600 // 3)
+
+
+def assert_sampled_like_plain(artifact: Path, prompt: list[int], spec: SpeculativeConfig, temperature: float,
+                              min_accepted: int, n: int = 600, length: int = 5) -> None:
+    """n seeded requests plain and n speculative: per output position the token counts pass a chi-square
+    test of homogeneity, and at least `min_accepted` proposals were accepted, n / 3 rejected."""
     counts = {}
     for mode in ("plain", "spec"):
-        engine = LLMEngine(tiny_vocab_artifact, max_num_seqs=32, max_num_batched_tokens=512,
-                           speculative=SpeculativeConfig(num_tokens=3) if mode == "spec" else None)
+        engine = LLMEngine(artifact, max_num_seqs=32, max_num_batched_tokens=512,
+                           speculative=spec if mode == "spec" else None)
         for i in range(n):
-            engine.add_request(f"{mode}{i}", prompt, SamplingParams(max_tokens=length, temperature=0.2, seed=i,
-                                                                    ignore_eos=True))
+            engine.add_request(f"{mode}{i}", prompt, SamplingParams(max_tokens=length, temperature=temperature,
+                                                                    seed=i, ignore_eos=True))
         outs = run(engine)
         counts[mode] = [Counter(o.token_ids[j] for o in outs.values()) for j in range(length)]  # type: ignore[attr-defined]
         if mode == "spec":
             st = engine.stats
-            assert st["spec_accepted"] > n // 3 and st["spec_proposed"] - st["spec_accepted"] > n // 3, st
+            assert st["spec_accepted"] > min_accepted and st["spec_proposed"] - st["spec_accepted"] > n // 3, st
     for j in range(length):
         tokens = sorted(set(counts["plain"][j]) | set(counts["spec"][j]))
         table = np.array([[counts[m][j][t] for t in tokens] for m in ("plain", "spec")])
