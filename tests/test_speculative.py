@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -77,9 +78,15 @@ def test_greedy_identical_to_plain_mixed_batch(demo_artifact: Path) -> None:
 
 
 def test_greedy_speculative_under_preemption(demo_artifact: Path) -> None:
+    assert_exact_under_preemption(demo_artifact, speculative=SPEC)
+
+
+def assert_exact_under_preemption(demo_artifact: Path, **speculative: Any) -> None:
+    """8 greedy requests in a pool of 24 blocks (preempted and resumed, proposals accepted) give the
+    tokens of plain decoding, and every block comes back."""
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
     big = LLMEngine(demo_artifact, enable_prefix_caching=False)
-    small = LLMEngine(demo_artifact, num_blocks=24, max_num_seqs=8, speculative=SPEC)
+    small = LLMEngine(demo_artifact, num_blocks=24, max_num_seqs=8, **speculative)
     prompts = [small.tokenizer.encode(REPETITIVE)[: 30 + 5 * i] for i in range(4)] + \
         [small.tokenizer.encode(p) for p in DEMO_PROMPTS[:4]]
     for engine in (big, small):

@@ -13,7 +13,7 @@ import pytest
 from conftest import DEMO_MODEL, write_recipe
 from test_parity import DEMO_PROMPTS
 from test_recipe import REGISTRY, write
-from test_speculative import REPETITIVE, assert_sampled_like_plain, run
+from test_speculative import REPETITIVE, assert_exact_under_preemption, assert_sampled_like_plain, run
 
 from compiler.recipe import RecipeError, load_recipe
 from runtime.artifact import Artifact, ArtifactError
@@ -68,19 +68,7 @@ def test_greedy_identical_to_plain_mixed_batch(demo_artifact: Path, demo_draft: 
 def test_greedy_draft_under_preemption(demo_artifact: Path, demo_draft: Path) -> None:
     """A pool of 24 blocks for 8 sequences: preemptions drop sequences' blocks (and the draft's K/V in them);
     the tokens stay those of plain decoding and every block comes back."""
-    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
-    big = LLMEngine(demo_artifact, enable_prefix_caching=False)
-    small = LLMEngine(demo_artifact, num_blocks=24, max_num_seqs=8, speculative=DRAFT, draft=demo_draft)
-    prompts = [small.tokenizer.encode(REPETITIVE)[: 30 + 5 * i] for i in range(4)] + \
-        [small.tokenizer.encode(p) for p in DEMO_PROMPTS[:4]]
-    for engine in (big, small):
-        for i, p in enumerate(prompts):
-            engine.add_request(f"r{i}", p, params)
-    want, got = run(big), run(small)
-    assert small.scheduler.num_preemptions > 0
-    assert small.stats["spec_accepted"] > 0
-    assert {k: v.token_ids for k, v in got.items()} == {k: v.token_ids for k, v in want.items()}  # type: ignore[attr-defined]
-    assert small.scheduler.num_free_blocks == 24
+    assert_exact_under_preemption(demo_artifact, speculative=DRAFT, draft=demo_draft)
 
 
 def test_draft_proposals_are_the_draft_models_greedy_tokens(demo_draft: Path, demo_artifact: Path) -> None:
