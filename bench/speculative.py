@@ -173,11 +173,11 @@ def main() -> int:
                          if acc["steps"] else None})
     print(f"batch 1, greedy, {args.tokens} tokens per request, median of {args.rounds} rounds, "
           f"{args.threads} ORT thread(s), artifact {args.artifact}")
-    print(f"{'workload':<8}{'mode':<12}{'tok/s':>9}{'speedup':>9}{'accepted':>11}{'tok/step':>10}  per position")
+    print(f"{'workload':<9}{'mode':<12}{'tok/s':>9}{'speedup':>9}{'accepted':>11}{'tok/step':>10}  per position")
     for r in rows:
         rate = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
         pos = " ".join("-" if p is None else f"{p:.2f}" for p in r["acceptance_per_position"])
-        print(f"{r['workload']:<8}{r['mode']:<12}{r['decode_tokens_per_s']:>9.1f}{r['speedup']:>9.2f}"
+        print(f"{r['workload']:<9}{r['mode']:<12}{r['decode_tokens_per_s']:>9.1f}{r['speedup']:>9.2f}"
               f"{rate:>11}{r['tokens_per_step']:>10.2f}  {pos}")
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "speculative.json"
