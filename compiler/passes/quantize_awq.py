@@ -64,9 +64,11 @@ def scale_groups(layer: Any) -> list[ScaleGroupSpec]:
 
 
 def clip_source(g: ScaleGroupSpec, consumer: str) -> str:
-    """The module whose input `consumer` reads: the group's, except an expert's gate/up, which read the rows
-    routed to that expert (its gate_proj's input)."""
-    return g.source if g.source != "mlp" else consumer.rsplit(".", 1)[0] + ".gate_proj"
+    """The module whose input `consumer` reads: the group's (also for the shared expert, which reads every
+    token), except a routed expert's gate/up, which read the rows routed to it (its gate_proj's input)."""
+    if g.source != "mlp" or consumer.startswith("mlp.shared_expert."):
+        return g.source
+    return consumer.rsplit(".", 1)[0] + ".gate_proj"
 
 
 @dataclass(frozen=True)
@@ -185,13 +187,9 @@ class QuantizeAwqPass(Int4WeightSizes, Pass):
                                                self._block(runner, layer, g.block), tie)
                         sc, ratio, _ = awq.search_scale(group, c.group_size, c.n_grid, c.duo_scaling)
                         awq.apply_scale(group, sc)
-                        if g.source == "mlp":  # the experts' own inputs, which apply_scale did not see (the
-                            # shared expert's may be a view of the block's input, which it did)
-                            done = {t.data_ptr() for t in x}
-                            for n in {clip_source(g, m) for m in g.consumers} - {g.source}:
-                                for t in inputs[n]:
-                                    if t.data_ptr() not in done:
-                                        t.div_(sc)
+                        for n in {clip_source(g, m) for m in g.consumers} - {g.source}:
+                            for t in inputs[n]:  # the routed experts' own rows, which apply_scale did not see
+                                t.div_(sc)
                         ratios[group.name] = ratio
                         if g.prev in stored:  # rows of an already quantized Linear / s: its scales / s
                             stored[g.prev] = awq.rescale_rows(stored[g.prev], group.tied(sc)[1])
