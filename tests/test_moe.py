@@ -199,3 +199,16 @@ def test_an_expert_no_calibration_token_reaches_is_named(method: str, tmp_path: 
         for o in engine.step():
             out = o if o.finished else out
     assert out is not None and len(out.token_ids) == 8
+
+
+def test_awq_fit_search_refuses_experts_by_name(tmp_path: Path) -> None:
+    """search 'fit' fits dense layers only: a mixture fails the build with a message naming the way out."""
+    from compiler.passes.base import BuildError
+
+    ckpt = make_random_checkpoint(tmp_path / "ckpt", "MixtralForCausalLM", seed=4)
+    extra = f"calibration:\n  data: {DEMO_MODEL / 'calib.txt'}\n  num_samples: 2\n  seq_len: 64\n"
+    passes = ("  - name: capture\n  - name: quantize_awq\n    options: {search: fit}\n  - name: lower_onnx\n"
+              "  - name: lower_quant\n  - name: package\n")
+    with pytest.raises(BuildError, match="search 'fit' does not cover mixture-of-experts layers; use search 'grid'"):
+        build(write_recipe(tmp_path, ckpt, name="fit-moe", passes=passes, extra=extra), progress=False)
+    assert not (tmp_path / "artifacts" / "fit-moe").exists()

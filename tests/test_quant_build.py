@@ -225,6 +225,8 @@ def test_plan_refuses_quantization_recipes_that_cannot_work(tmp_path: Path, pass
     ("      damp: 0\n", "damp must be in"),
     ("      rounding: stochastic\n", "rounding must be 'nearest' or 'gptq'"),
     ("      duo_scaling: sometimes\n", "duo_scaling must be"),
+    ("      search: fit\n      rounding: gptq\n", "search 'fit' fits the whole model"),
+    ("      search: everything\n      rounding: nearest\n", "search must be 'grid' or 'fit'"),
 ])
 def test_quantizer_options_are_checked(tmp_path: Path, options: str, message: str) -> None:
     method = "awq" if "rounding" in options or "duo_scaling" in options else "gptq"
@@ -247,6 +249,7 @@ def test_calibration_file_must_exist(tmp_path: Path) -> None:
     ("awq", "      group_size: 32\n      n_grid: 10\n      clip: true\n"),
     ("awq", "      group_size: 32\n      n_grid: 10\n      sequential: true\n      duo_scaling: both\n"),
     ("awq", "      group_size: 32\n      n_grid: 10\n      sequential: true\n      rounding: gptq\n"),
+    ("awq", "      group_size: 32\n      search: fit\n      fit_epochs: 2\n"),
     ("gptq", "      group_size: 32\n      act_order: true\n"),
     ("gptq", "      group_size: 32\n      act_order: true\n      range_search: true\n"),
 ])

@@ -191,6 +191,40 @@ def test_awq_scale_folding_keeps_the_float_function_and_the_search_helps() -> No
     assert max_val.shape == (64, 1)
 
 
+def test_awq_fit_forward_is_the_stored_int4_and_gradients_reach_scales_and_clips() -> None:
+    """awq_fit's differentiable fake quantization computes exactly the stored weight's dequantized values
+    (padded last group, random clipping factors), and the KL fit moves the scales and the clipping."""
+    from compiler.quant import awq_fit
+
+    torch.manual_seed(3)
+    w = _weight(24, 200)  # 200 = 128 + 72: a short last group
+    f_max, f_min = torch.rand(24, 2) * 0.5 + 0.5, torch.rand(24, 2) * 0.5 + 0.5
+    q = awq_fit.quantize(w, 128, f_max, f_min)
+    assert torch.equal(awq_fit.fake_quantize(w, 128, f_max, f_min), q.dequantize())
+    ones = torch.ones(24, 2)
+    assert torch.equal(awq_fit.fake_quantize(w, 128, ones, ones), int4.fake_quantize(w, 128))
+
+    # a Linear after a norm-like scale, fitted against its float output's softmax
+    lin = torch.nn.Linear(200, 24, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    x = _correlated_inputs(256, 200, seed=2) * (torch.rand(200) * 4)  # channels of unequal magnitude
+    group = awq_fit.FitGroup("g", [("lin", lin, True)])
+    result = awq_fit.fit([group], 2, lambda b: lin(x[b::2]), 128, epochs=6, lr_scale=0.05, lr_clip=0.2)
+    assert torch.equal(lin.weight, w)  # the Linear's own parameter is back, unchanged
+    assert result.kl[-1] < result.kl[0]
+    s = result.scales["g"]
+    fmax, fmin = result.clips["lin"]
+    start = torch.sigmoid(torch.tensor(awq_fit.CLIP_INIT))
+    assert not torch.equal(s, torch.ones(200)) and not torch.allclose(fmax, start.expand_as(fmax))
+    with torch.no_grad():
+        rtn = torch.nn.functional.linear(x, int4.fake_quantize(w, 128))
+        fitted = torch.nn.functional.linear(x / s, awq_fit.quantize(w * s, 128, fmax, fmin).dequantize())
+    kl = lambda out: float(torch.nn.functional.kl_div(  # noqa: E731
+        torch.log_softmax(out, -1), torch.log_softmax(x @ w.T, -1), log_target=True, reduction="batchmean"))
+    assert kl(fitted) < kl(rtn), (kl(fitted), kl(rtn))
+
+
 # ------------------------------------------------------------------------------ calibration
 
 

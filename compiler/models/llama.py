@@ -411,13 +411,17 @@ class LlamaForwardBatchModel(nn.Module):
 
             x = self.layer_forward(layer, x, attend)
             new_kv += kv
-        h = self.norm(x[logits_index])
-        logits = self.lm_head(h).to(torch.float32)
+        return (self.head(x[logits_index]), *new_kv)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits (float32) of the last layer's residual x: final norm, lm_head, scaling, soft-capping."""
+        cfg = self.cfg
+        logits = self.lm_head(self.norm(x)).to(torch.float32)
         if cfg.logits_scaling != 1.0:
             logits = logits / cfg.logits_scaling
         if cfg.final_logit_softcapping:
             logits = torch.tanh(logits / cfg.final_logit_softcapping) * cfg.final_logit_softcapping
-        return (logits, *new_kv)
+        return logits
 
     # -- the pieces of the forward that calibration (compiler/quant/calibration.py) runs layer by layer --
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,9 @@ Linear's input, search and fold the scales of each input-sharing group, search t
 of each Linear but q/k, then round to nearest with those ranges (compiler/quant/awq.py). The next
 layer's input is the unquantized layer's output, as in AutoAWQ. `rounding: gptq` replaces the
 round-to-nearest (and the clip search) by GPTQ on each scaled Linear: AWQ's scales with GPTQ's
-rounding, a hybrid, not plain AWQ.
+rounding, a hybrid, not plain AWQ. `search: fit` replaces both searches: the same scales and
+(asymmetric) clipping ranges, fitted end to end against the float model's next-token distribution
+(compiler/quant/awq_fit.py); the stored form is still AWQ's (Q(W * s) rounded to nearest).
 """
 
 from __future__ import annotations
@@ -90,9 +92,24 @@ class AwqOptions:
     # no clip search: GPTQ's range search takes its place). "gptq" is AWQ scaling + GPTQ, not plain AWQ.
     rounding: str = "nearest"
     gptq_damp: float = 0.01  # rounding "gptq": dampening, as quantize_gptq's damp
+    # "grid": AutoAWQ's searches (scale ratio grid per group, then the clip search per Linear); "fit": the
+    # scales and per-(row, group) clipping of min and max fitted by gradient descent on the KL divergence of
+    # the quantized model's next-token distribution from the float model's (compiler/quant/awq_fit.py)
+    search: str = "grid"
+    fit_epochs: int = 10  # search "fit": passes over the calibration batches
+    fit_lr_scale: float = 0.05  # search "fit": Adam's learning rate of log s (cosine schedule)
+    fit_lr_clip: float = 0.2  # search "fit": Adam's learning rate of the clipping logits
+    fit_batch_tokens: int = 4096  # search "fit": calibration tokens per step (whole windows)
 
     def __post_init__(self) -> None:
         check_group_size(self.group_size)
+        if self.search not in ("grid", "fit"):
+            raise ValueError(f"search must be 'grid' or 'fit', got {self.search!r}")
+        if self.search == "fit" and (self.rounding != "nearest" or self.sequential):
+            raise ValueError("search 'fit' fits the whole model at once for round-to-nearest: rounding 'gptq' and "
+                             "sequential apply to search 'grid'")
+        if self.fit_epochs < 1 or self.fit_lr_scale <= 0 or self.fit_lr_clip <= 0 or self.fit_batch_tokens < 1:
+            raise ValueError("fit_epochs and fit_batch_tokens must be >= 1 and fit_lr_scale, fit_lr_clip > 0")
         if self.rounding not in ("nearest", "gptq"):
             raise ValueError(f"rounding must be 'nearest' or 'gptq', got {self.rounding!r}")
         if not 0 < self.gptq_damp < 1:
@@ -142,6 +159,8 @@ class QuantizeAwqPass(Int4WeightSizes, Pass):
             st = quant_state(ctx)
             targets = target_linears(model, c.ignore)
             cal = load_calibration(ctx, self.name)
+            if c.search == "fit":
+                return self._run_fit(ctx, model, st, targets, cal)
             runner = LayerRunner(model, cal.samples)
             bar, task = progress_task(ctx, "awq", len(model.layers))
             ratios: dict[str, float] = {}
@@ -217,10 +236,102 @@ class QuantizeAwqPass(Int4WeightSizes, Pass):
                     st.weights[f"{name}.weight"] = QuantizedWeight(f"{name}.weight", "rtn", q)
             st.weight_method = self.name
             return {"method": "awq", "bits": 4, "group_size": c.group_size, "symmetric": False,
-                    "rounding": c.rounding, "calibration": cal.record, "scale_ratios": dict(sorted(ratios.items())),
+                    "rounding": c.rounding, "search": "grid", "calibration": cal.record, "scale_ratios": dict(sorted(ratios.items())),
                     "scale_groups_skipped": dict(sorted(skipped_groups.items())), "clipped_linears": clipped,
                     "unseen_rtn": unseen,
                     **stats_for(st, model, skipped_modules(model, st.weights, c.ignore))}
+
+    def _run_fit(self, ctx: BuildContext, model: Any, st: Any, targets: dict[str, Any], cal: Any) -> dict[str, Any]:
+        """search "fit": every layer's scale groups fitted at once (awq_fit.fit), then folded and rounded
+        group by group in layer order; a later group's scale divides the rows of an already stored
+        Linear (v before o, up before down) exactly, as awq.rescale_rows."""
+        import torch
+        from torch import nn
+
+        from compiler.models.moe import SparseMoeBlock
+        from compiler.quant import awq, awq_fit, int4
+        from compiler.quant.calibration import LayerRunner
+        from compiler.quant.state import (
+            QuantizedWeight,
+            progress_done,
+            progress_task,
+            skipped_modules,
+            stats_for,
+            write_weight,
+        )
+
+        c = self.config
+        if any(isinstance(layer.mlp, SparseMoeBlock) for layer in model.layers):
+            raise BuildError(f"{self.name}: search 'fit' does not cover mixture-of-experts layers; use search 'grid'")
+        runner = LayerRunner(model, cal.samples, c.fit_batch_tokens)
+        if not runner.dense:
+            raise BuildError(f"{self.name}: search 'fit' needs every layer to attend to its whole causal past with "
+                             f"plain softmax scores ({ctx.checkpoint.config.architecture} has sliding windows or "
+                             "soft-capping); use search 'grid'")
+        plan: list[tuple[str, Any, ScaleGroupSpec, awq_fit.FitGroup]] = []
+        skipped_groups: dict[str, str] = {}
+        for i, layer in enumerate(model.layers):
+            prefix = f"layers.{i}"
+            for g in scale_groups(layer):
+                lins = [(f"{prefix}.{n}", layer.get_submodule(n), f"{prefix}.{n}" in targets) for n in g.consumers]
+                prev = layer.get_submodule(g.prev)
+                tie, scaled = None, any(t for _, _, t in lins)
+                if scaled and isinstance(prev, nn.Linear) and prev.out_features != lins[0][1].in_features:
+                    tie = self._gqa_tie(layer, g.prev, g.consumers[0])
+                    if tie is None:
+                        skipped_groups[f"{prefix}.{g.name}"] = (
+                            f"no scaling: {g.prev} has {prev.out_features} outputs, {g.consumers[0]} "
+                            f"{lins[0][1].in_features} inputs")
+                        scaled = False
+                plan.append((prefix, layer, g, awq_fit.FitGroup(f"{prefix}.{g.name}", lins, tie, scaled)))
+
+        def forward(b: int) -> torch.Tensor:
+            x = runner.hidden[b]  # the embeddings of batch b
+            for layer in model.layers:
+                x = runner.layer_forward(layer, x, b)
+            return model.head(x)
+
+        bar, task = progress_task(ctx, "awq fit", c.fit_epochs)
+        result = awq_fit.fit([fg for *_, fg in plan], len(runner.hidden), forward, c.group_size, c.fit_epochs,
+                             c.fit_lr_scale, c.fit_lr_clip, seed=int(cal.record["seed"]),
+                             on_epoch=lambda _e, _kl: bar.advance(task) if bar is not None else None)
+        progress_done(bar, task)
+        stored: dict[str, int4.Int4Weight] = {}  # full Linear name -> its INT4 weight
+        spread: dict[str, float] = {}
+        for prefix, layer, g, fg in plan:
+            s = result.scales.get(fg.name)
+            if s is not None:
+                group = awq.ScaleGroup(fg.name, layer.get_submodule(g.prev), [lin for _, lin, _ in fg.linears],
+                                       [t for *_, t in fg.linears], [], None, fg.tie)  # type: ignore[arg-type]
+                awq.apply_scale(group, s)
+                spread[fg.name] = round(float(s.max() / s.min()), 3)
+                prev_full = f"{prefix}.{g.prev}"
+                if prev_full in stored:  # rows of an already stored Linear / s: its scales / s
+                    stored[prev_full] = awq.rescale_rows(stored[prev_full], group.tied(s)[1])
+                    write_weight(layer.get_submodule(g.prev), stored[prev_full].dequantize())
+            for name, lin, target in fg.linears:
+                if target:
+                    f_max, f_min = result.clips[name]
+                    stored[name] = awq_fit.quantize(lin.weight, c.group_size, f_max, f_min)
+                    write_weight(lin, stored[name].dequantize())
+        for name, q in stored.items():
+            st.weights[f"{name}.weight"] = QuantizedWeight(f"{name}.weight", "awq", q)
+        for name, lin in targets.items():  # outside the scale groups (an un-ignored lm_head): to nearest
+            if f"{name}.weight" not in st.weights:
+                q = int4.quantize_rtn(lin.weight, c.group_size)
+                write_weight(lin, q.dequantize())
+                st.weights[f"{name}.weight"] = QuantizedWeight(f"{name}.weight", "rtn", q)
+        st.weight_method = self.name
+        factors = torch.cat([torch.cat([a.flatten(), b.flatten()]) for a, b in result.clips.values()])
+        return {"method": "awq", "bits": 4, "group_size": c.group_size, "symmetric": False, "rounding": "nearest",
+                "search": "fit", "calibration": cal.record,
+                "fit": {"epochs": c.fit_epochs, "batches": len(runner.hidden), "batch_tokens": c.fit_batch_tokens, "lr_scale": c.fit_lr_scale,
+                        "lr_clip": c.fit_lr_clip, "kl_per_epoch": [round(k, 6) for k in result.kl],
+                        "clip_factor_mean": round(float(factors.mean()), 4),
+                        "clip_factor_min": round(float(factors.min()), 4)},
+                "scale_spread": dict(sorted(spread.items())),  # max(s) / min(s) of each group
+                "scale_groups_skipped": dict(sorted(skipped_groups.items())),
+                **stats_for(st, model, skipped_modules(model, st.weights, c.ignore))}
 
     def _quantize(self, prefix: str, g: ScaleGroupSpec, mods: dict[str, Any], targets: dict[str, Any],
                   inputs: dict[str, list[Any]], stored: dict[str, Any], unseen: list[str]) -> int:
