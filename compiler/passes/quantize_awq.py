@@ -133,7 +133,6 @@ class QuantizeAwqPass(Int4WeightSizes, Pass):
         return True
 
     def run(self, ctx: BuildContext) -> dict[str, Any]:
-        from torch import nn
 
         from compiler.quant import awq, int4
         from compiler.quant.calibration import LayerRunner, float32_search, load_calibration
@@ -191,13 +190,8 @@ class QuantizeAwqPass(Int4WeightSizes, Pass):
                     if not any(t.shape[0] for t in x):  # an expert no calibration token was routed to
                         skipped_groups[f"{prefix}.{g.name}"] = "no scaling: no calibration token reached it"
                         scale = False
-                    elif isinstance(prev, nn.Linear) and prev.out_features != linears[0].in_features:
-                        tie = self._gqa_tie(layer, g.prev, g.consumers[0])
-                        if tie is None:
-                            skipped_groups[f"{prefix}.{g.name}"] = (
-                                f"no scaling: {g.prev} has {prev.out_features} outputs, {g.consumers[0]} "
-                                f"{linears[0].in_features} inputs")
-                            scale = False
+                    else:
+                        scale, tie = self._fold(layer, prefix, g, linears[0].in_features, skipped_groups)
                     quantize_mask = [f"{prefix}.{n}" in targets for n in g.consumers]
                     if scale and any(quantize_mask):
                         # the routers read the same input: scaled with the experts, never quantized
@@ -236,7 +230,8 @@ class QuantizeAwqPass(Int4WeightSizes, Pass):
                     st.weights[f"{name}.weight"] = QuantizedWeight(f"{name}.weight", "rtn", q)
             st.weight_method = self.name
             return {"method": "awq", "bits": 4, "group_size": c.group_size, "symmetric": False,
-                    "rounding": c.rounding, "search": "grid", "calibration": cal.record, "scale_ratios": dict(sorted(ratios.items())),
+                    "rounding": c.rounding, "search": "grid", "calibration": cal.record,
+                    "scale_ratios": dict(sorted(ratios.items())),
                     "scale_groups_skipped": dict(sorted(skipped_groups.items())), "clipped_linears": clipped,
                     "unseen_rtn": unseen,
                     **stats_for(st, model, skipped_modules(model, st.weights, c.ignore))}
@@ -246,7 +241,6 @@ class QuantizeAwqPass(Int4WeightSizes, Pass):
         group by group in layer order; a later group's scale divides the rows of an already stored
         Linear (v before o, up before down) exactly, as awq.rescale_rows."""
         import torch
-        from torch import nn
 
         from compiler.models.moe import SparseMoeBlock
         from compiler.quant import awq, awq_fit, int4
@@ -274,15 +268,9 @@ class QuantizeAwqPass(Int4WeightSizes, Pass):
             prefix = f"layers.{i}"
             for g in scale_groups(layer):
                 lins = [(f"{prefix}.{n}", layer.get_submodule(n), f"{prefix}.{n}" in targets) for n in g.consumers]
-                prev = layer.get_submodule(g.prev)
                 tie, scaled = None, any(t for _, _, t in lins)
-                if scaled and isinstance(prev, nn.Linear) and prev.out_features != lins[0][1].in_features:
-                    tie = self._gqa_tie(layer, g.prev, g.consumers[0])
-                    if tie is None:
-                        skipped_groups[f"{prefix}.{g.name}"] = (
-                            f"no scaling: {g.prev} has {prev.out_features} outputs, {g.consumers[0]} "
-                            f"{lins[0][1].in_features} inputs")
-                        scaled = False
+                if scaled:
+                    scaled, tie = self._fold(layer, prefix, g, lins[0][1].in_features, skipped_groups)
                 plan.append((prefix, layer, g, awq_fit.FitGroup(f"{prefix}.{g.name}", lins, tie, scaled)))
 
         def forward(b: int) -> torch.Tensor:
@@ -376,6 +364,22 @@ class QuantizeAwqPass(Int4WeightSizes, Pass):
             write_weight(lin, q.dequantize())
             stored[n] = q
         return clipped
+
+    def _fold(self, layer: Any, prefix: str, g: ScaleGroupSpec, in_features: int, skipped: dict[str, str]
+              ) -> tuple[bool, Any]:
+        """(whether g's scale folds into g.prev, the GQA tie of v -> o or None); a group whose previous
+        Linear has other outputs than its Linears' inputs, not as v -> o under GQA, is named in `skipped`."""
+        from torch import nn
+
+        prev = layer.get_submodule(g.prev)
+        if not isinstance(prev, nn.Linear) or prev.out_features == in_features:
+            return True, None
+        tie = self._gqa_tie(layer, g.prev, g.consumers[0])
+        if tie is None:
+            skipped[f"{prefix}.{g.name}"] = (f"no scaling: {g.prev} has {prev.out_features} outputs, "
+                                             f"{g.consumers[0]} {in_features} inputs")
+            return False, None
+        return True, tie
 
     @staticmethod
     def _gqa_tie(layer: Any, prev_name: str, consumer: str) -> Any:
