@@ -133,7 +133,6 @@ class QuantizeAwqPass(Int4WeightSizes, Pass):
         return True
 
     def run(self, ctx: BuildContext) -> dict[str, Any]:
-
         from compiler.quant import awq, int4
         from compiler.quant.calibration import LayerRunner, float32_search, load_calibration
         from compiler.quant.state import (
