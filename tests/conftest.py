@@ -13,6 +13,18 @@ DEMO_MODEL = ROOT / "models" / "pycode-llama-6m"
 DEMO_RECIPE = ROOT / "recipes" / "demo.yaml"
 
 
+@pytest.fixture(autouse=True)
+def _torch_threads_restored() -> object:
+    """torch's intra-op thread count is process-wide: a test that loads a torch artifact with threads=1
+    (runtime/backends/pytorch.py) would leave every later build in the session on one core."""
+    import torch
+
+    before = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != before:
+        torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def demo_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """recipes/demo.yaml built once into a temporary output folder, with --no-autotune (the fixed rule
