@@ -1,4 +1,4 @@
-"""Refuse torch.export archives (model.pt2) that would unpickle anything opaque when loaded.
+"""Refuse torch.export archives (model.pt2) that would unpickle anything opaque or run code when loaded.
 
 ``torch.export.load`` unpickles in several places: weights and constants saved with ``use_pickle``
 (``torch.load(weights_only=False)``), script objects (``pickle.loads``), legacy weight and constant files,
@@ -11,7 +11,10 @@ the backend calls ``torch.export.load``, the archive is read here with the stand
   configs and the raw tensor files they name, ``data/sample_inputs/<m>.pt``, ``extra/``);
 * every weight and constant is a raw tensor (``use_pickle`` false, no script objects);
 * the sample inputs are a torch zip whose pickles are *read without executing anything* by an
-  unpickler that refuses every global except the few a tensor rebuild needs (and calls none of them).
+  unpickler that refuses every global except the few a tensor rebuild needs (and calls none of them);
+* every program (``models/<m>.json``) passes runtime/pt2_program.py: its shape expressions (which torch hands
+  to ``sympy.sympify``, i.e. evaluates as Python), node targets (resolved by ``getattr`` from ``torch``),
+  guards (compiled into a function) and names are checked against grammars and allow-lists.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.artifact import ArtifactError
+from runtime.pt2_program import check_program
 
 __all__ = ["check_pt2"]
 
@@ -151,7 +155,13 @@ def check_pt2(path: Path) -> None:
         if extra:
             raise ArtifactError(f"{where}: unexpected member(s) {extra[:5]}: only programs, raw tensors and "
                                 "configs are accepted (pickles, legacy weight files and compiled libraries are not)")
-        for m in models:
+        for m in sorted(models):
+            member = f"models/{m}.json"
+            try:
+                program = json.loads(zf.read(prefix + member))
+            except ValueError as exc:
+                raise ArtifactError(f"{where}:{member}: not JSON: {exc}") from exc
+            check_program(program, f"{where}:{member}")
             member = f"data/sample_inputs/{m}.pt"
             if member in rel:
                 _check_torch_zip(zf.read(prefix + member), f"{where}:{member}")
