@@ -36,36 +36,21 @@ __all__ = ["ALLOWED_TARGETS", "check_program"]
 
 # ---- node targets --------------------------------------------------------------------------------------------
 
-# aten overloads found in the programs `capture` and `lower_quant_torch` emit for every supported family (dense,
-# sliding window, YaRN/LongRoPE, mixtures of experts, FP8 and INT4 lowering). A new one fails the load with its
-# name: add it here once it is known to be a tensor op (no file, process or Python access).
+# Exactly the aten overloads in the programs `capture` and `lower_quant_torch` emit for every supported family
+# (Llama, Mistral with and without a sliding window, Qwen2 (+ YaRN), Qwen3, Granite, OLMo 2, Gemma 2/3, Phi-3
+# LongRoPE, Mixtral, Qwen2-MoE, Qwen3-MoE; FP8 and INT4 lowering; the Triton and FlashInfer attention variants;
+# torch 2.13). A new one fails the load naming it: add it here once it is known to be a tensor op (no file,
+# process or Python access; aten.from_file, for one, reads a file).
 _ATEN = frozenset({
-    "__and__.Tensor", "__or__.Tensor", "_assert_scalar.default", "_assert_tensor_metadata.default",
-    "_local_scalar_dense.default", "abs.default", "add.Scalar", "add.Tensor", "alias.default", "all.default",
-    "amax.default", "any.default", "any.dim", "arange.default", "arange.start", "arange.start_step",
-    "argmax.default", "argsort.default", "baddbmm.default", "bitwise_and.Tensor", "bitwise_not.default",
-    "bitwise_or.Tensor", "bmm.default", "cat.default", "ceil.default", "clamp.default", "clamp.Tensor",
-    "clamp_max.default", "clamp_min.default", "clone.default", "contiguous.default", "cos.default",
-    "cumsum.default", "detach.default", "div.Scalar", "div.Tensor", "div.Tensor_mode", "dropout.default",
-    "embedding.default", "eq.Scalar", "eq.Tensor", "exp.default", "expand.default", "flatten.using_ints",
-    "floor.default", "floor_divide.default", "full.default", "full_like.default", "gather.default",
-    "ge.Scalar", "ge.Tensor", "gelu.default", "gt.Scalar", "gt.Tensor", "index.Tensor", "index_add.default",
-    "index_put.default", "index_select.default", "item.default", "le.Scalar", "le.Tensor", "linear.default",
-    "log.default", "logical_and.default", "logical_not.default", "logical_or.default", "lt.Scalar",
-    "lt.Tensor", "masked_fill.Scalar", "masked_fill.Tensor", "matmul.default", "max.default", "max.dim",
-    "maximum.default", "mean.dim", "min.default", "minimum.default", "mm.default", "mul.Scalar", "mul.Tensor",
-    "ne.Scalar", "ne.Tensor", "neg.default", "new_zeros.default", "nonzero.default", "ones.default",
-    "ones_like.default", "permute.default", "pow.Scalar", "pow.Tensor_Scalar", "pow.Tensor_Tensor",
-    "reciprocal.default", "relu.default", "remainder.Scalar", "remainder.Tensor", "repeat.default",
-    "repeat_interleave.self_int", "reshape.default", "round.default", "rsqrt.default", "rsub.Scalar",
-    "scalar_tensor.default", "scatter.src", "scatter.value", "scatter_add.default", "select.int",
-    "sigmoid.default", "sign.default", "silu.default", "sin.default", "slice.Tensor", "softmax.int",
-    "sort.default", "split.Tensor", "split_with_sizes.default", "sqrt.default", "squeeze.dim", "squeeze.dims",
-    "sub.Scalar", "sub.Tensor", "sum.default", "sum.dim_IntList", "sym_constrain_range_for_size.default",
-    "sym_numel.default", "sym_size.int", "sym_storage_offset.default", "sym_stride.int", "t.default",
-    "tanh.default", "to.device", "to.dtype", "to.dtype_layout", "topk.default", "transpose.int",
-    "tril.default", "triu.default", "type_as.default", "unbind.int", "unsqueeze.default", "view.default",
-    "where.self", "where.ScalarOther", "where.ScalarSelf", "zeros.default", "zeros_like.default",
+    "__and__.Tensor", "_assert_scalar.default", "_assert_tensor_metadata.default", "add.Tensor",
+    "arange.default", "cat.default", "clamp.default", "cos.default", "div.Tensor", "embedding.default",
+    "eq.Scalar", "eq.Tensor", "expand.default", "floor_divide.default", "full.default", "ge.Tensor",
+    "gelu.default", "gt.Tensor", "index.Tensor", "index_copy.default", "index_select.default", "le.Tensor",
+    "linear.default", "lt.Tensor", "matmul.default", "mean.dim", "mul.Tensor", "neg.default",
+    "nonzero.default", "permute.default", "pow.Tensor_Scalar", "remainder.Scalar", "reshape.default",
+    "rsqrt.default", "sigmoid.default", "silu.default", "sin.default", "slice.Tensor", "softmax.int",
+    "squeeze.dim", "sub.Tensor", "sum.dim_IntList", "sym_size.int", "tanh.default", "to.dtype",
+    "topk.default", "transpose.int", "unsqueeze.default", "view.default", "where.self", "zeros.default",
 })
 # the project's own ops: runtime/backends/torch_ops.py registers them before a program loads
 _OPTIMIZE = frozenset({"fp8_linear.default", "int4_linear.default", "paged_attention_triton.default",
