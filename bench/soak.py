@@ -11,8 +11,15 @@ Phases, against one server process started here (127.0.0.1 only, port chosen by 
    and a flood of idle connections (below --max-connections);
 3. settle: hostile clients stop; the server must come back to rest.
 
+Phases 1 and 2 each run on past their time until `--min-good` good requests (default 100) have completed,
+at most `--phase-grace` seconds longer: a p99 is only estimated from enough samples (with fewer than 100, the
+empirical p99 is the maximum). The p99 is the 99th percentile of the good requests' latencies
+(`statistics.quantiles`, inclusive method: linear interpolation between order statistics); the summary
+reports it with its sample count and the latencies themselves.
+
 Checks (exit 1 if one fails; the summary is printed and written as JSON with --out):
 - every good request completed (200, the asked number of tokens), in both phases;
+- each phase had at least --min-good good requests (enough for an empirical p99);
 - p99 latency of good requests under attack <= p99-factor x the quiet p99 + slack;
 - /health never took longer than --health-bound seconds;
 - after settling: KV blocks used 0, requests running 0, open connections 1 (the scrape itself).
@@ -72,10 +79,11 @@ class Tally:
 
 
 def _p(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    v = sorted(values)
-    return v[min(len(v) - 1, int(round(q * (len(v) - 1))))]
+    """The q-quantile (q in 0.01 .. 0.99, a whole percent) of `values`: statistics.quantiles' inclusive method,
+    linear interpolation between the order statistics (numpy's default percentile); 0 for no values."""
+    if len(values) < 2:
+        return values[0] if values else 0.0
+    return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1]
 
 
 class Soak:
@@ -84,6 +92,7 @@ class Soak:
         self.proc: subprocess.Popen[str] | None = None
         self.port = 0
         self.output: list[str] = []
+        self.phase_s: list[float] = []  # how long each phase of good clients ran
 
     # ---- the server -----------------------------------------------------------------------
 
@@ -310,7 +319,14 @@ class Soak:
                                                 args=(stop, self.hostile, lambda fn=fn: fn(stop), 0.05)))
         for t in threads:
             t.start()
-        stop.wait(seconds)
+        start = time.monotonic()
+        # the phase's time, then on until enough good requests for a p99 (bounded by --phase-grace)
+        while not stop.wait(0.05):
+            elapsed = time.monotonic() - start
+            if elapsed >= seconds and (len(self.good.latencies) + len(self.good.failures) >= self.args.min_good
+                                       or elapsed >= seconds + self.args.phase_grace):
+                break
+        self.phase_s.append(round(time.monotonic() - start, 2))
         stop.set()
         for t in threads:
             t.join(self.args.write_timeout + 60)
@@ -340,6 +356,8 @@ class Soak:
         dropped = {k: v for k, v in m.items() if k.startswith("optimize_connections_dropped_total")}
         checks = {
             "every good request completed": not quiet.failures and not self.good.failures and bool(self.good.latencies),
+            f"at least {a.min_good} good requests per phase (a p99 estimate)":
+                min(len(quiet.latencies), len(self.good.latencies)) >= a.min_good,
             f"good p99 under attack <= {a.p99_factor:g} x quiet p99 + {a.p99_slack:g} s": h99 <= bound,
             f"/health always under {a.health_bound:g} s": health_max <= a.health_bound
             and not self.health.failures and not quiet_health.failures,
@@ -352,12 +370,14 @@ class Soak:
         return {
             "settings": {"quiet_s": a.quiet, "attack_s": a.duration, "good_clients": a.good_clients,
                          "flood": a.flood, "write_timeout": a.write_timeout, "header_timeout": a.header_timeout,
-                         "body_timeout": a.body_timeout},
+                         "body_timeout": a.body_timeout, "min_good": a.min_good, "phase_s": self.phase_s},
             "good": {"quiet": len(quiet.latencies), "attack": len(self.good.latencies),
                      "failures": (quiet.failures + self.good.failures)[:10],
                      "quiet_p50_s": round(_p(quiet.latencies, 0.5), 4), "quiet_p99_s": round(q99, 4),
                      "attack_p50_s": round(_p(self.good.latencies, 0.5), 4), "attack_p99_s": round(h99, 4),
-                     "p99_bound_s": round(bound, 4)},
+                     "p99_bound_s": round(bound, 4),
+                     "quiet_latencies_s": [round(x, 5) for x in quiet.latencies],
+                     "attack_latencies_s": [round(x, 5) for x in self.good.latencies]},
             "health": {"probes": len(quiet_health.latencies) + len(self.health.latencies),
                        "max_s": round(health_max, 4),
                        "p99_s": round(_p([*quiet_health.latencies, *self.health.latencies], 0.99), 4)},
@@ -379,6 +399,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--good-clients", type=int, default=4)
     p.add_argument("--flood", type=int, default=100, help="idle connections of the flood (below --max-connections)")
     p.add_argument("--max-actions", type=int, default=100_000, help="actions per client thread at most")
+    p.add_argument("--min-good", type=int, default=100,
+                   help="good requests each phase needs for a p99 estimate; a phase runs on until it has them")
+    p.add_argument("--phase-grace", type=float, default=120.0,
+                   help="seconds a phase may run past its time to reach --min-good")
     p.add_argument("--p99-factor", type=float, default=4.0)
     p.add_argument("--p99-slack", type=float, default=0.5, help="seconds added to the p99 bound")
     p.add_argument("--health-bound", type=float, default=0.5, help="seconds /health may take at most")
