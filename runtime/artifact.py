@@ -547,6 +547,8 @@ def quality_line(quality: Any) -> str:
     bounds = quality.get("bounds")
     if quality.get("evaluated") is False:
         reason = str(quality.get("reason", "no reason recorded"))
+        if bounds is None:  # a manifest from before the record kept its bounds
+            return f"not evaluated ({reason})"
         if bounds == {} and quality.get("eval_data") is None:
             return f"no bounds set: nothing gated ({reason})"
         if not bounds:
