@@ -241,7 +241,7 @@ def quality_gate(ctx: BuildContext) -> dict[str, Any]:
                         ", ".join(f"{k} {v:g}" for k, v in q.bounds.items()))
         return record
     if device != ctx.recipe.target.device:
-        log.info("quality gate on %s: %s", device, missing_for_target(ctx.recipe))
+        log.info("quality gate on %s: %s", device, _missing_for_target(ctx.recipe))
     engine = LLMEngine(ctx.staging, verify=True, device=device)
     reference = _fp32_reference(ctx)
     if reference is None and (q.max_perplexity_increase_pct is not None or q.max_kl_divergence is not None
@@ -368,7 +368,7 @@ def eval_size(pilot: Any, bound: float | None, available: int) -> tuple[int, dic
     return n, record
 
 
-def missing_for_target(recipe: Recipe) -> str | None:
+def _missing_for_target(recipe: Recipe) -> str | None:
     """What this machine lacks to run the recipe's target (runtime.gpu.missing_for); None: nothing."""
     if recipe.target.device == "cpu":
         return None
@@ -381,7 +381,7 @@ def _evaluation_device(recipe: Recipe) -> tuple[str | None, str]:
     """Where the gate runs the staged artifact: its own device when this machine has it; a torch/cuda
     artifact on CPU otherwise (the same program); (None, reason) when it cannot run here at all (the
     reason: what the machine lacks)."""
-    problem = missing_for_target(recipe)
+    problem = _missing_for_target(recipe)
     if problem is None:
         return recipe.target.device, ""
     if recipe.target.backend == "torch":
