@@ -4,7 +4,10 @@
 dry run). `build()` runs the recipe's passes in order into a staging folder, evaluates the
 result against the recipe's quality bounds, writes manifest.json (deterministic) and build.json
 (timings, host), and only then moves the folder to `<output>/<name>/<version>`. A failed build
-leaves no artifact behind.
+leaves no artifact behind. A recipe with quality bounds whose gate cannot run on the build machine
+(an onnxruntime/cuda or tensorrt target without a GPU) fails before any pass, naming what is
+missing, unless it sets `quality.allow_unevaluated: true`; the manifest then records the gate as not
+evaluated, with the reason.
 
 A recipe with a `speculative:` section first builds its draft model (a checkpoint folder, or a
 truncated-layer copy of the source written to a temporary folder: compiler/draft.py) with the same
@@ -222,13 +225,23 @@ def quality_gate(ctx: BuildContext) -> dict[str, Any]:
     from runtime.evaluate import chunk_tokens
 
     q = ctx.recipe.quality
-    if q.eval_data is None:
-        return {"evaluated": False, "reason": "the recipe names no quality.eval_data"}
+    eval_data = ctx.recipe.as_dict().get("quality", {}).get("eval_data")
+    if q.eval_data is None:  # (the schema requires eval_data for any bound)
+        return {"evaluated": False, "eval_data": None, "bounds": {},
+                "reason": "the recipe names no quality.eval_data and sets no bounds: nothing to gate"}
     from runtime.engine import LLMEngine
 
-    device, why_not = _evaluation_device(ctx)
+    device, why_not = _evaluation_device(ctx.recipe)
     if device is None:
-        return {"evaluated": False, "reason": why_not}
+        check_gate_can_run(ctx.recipe)  # (build() ran it before any pass): bounds need allow_unevaluated
+        record = {"evaluated": False, "eval_data": eval_data, "bounds": q.bounds, "reason": why_not}
+        if q.bounds:
+            record["allowed_by"] = "quality.allow_unevaluated"
+            log.warning("quality: not evaluated (%s); bounds not checked: %s", why_not,
+                        ", ".join(f"{k} {v:g}" for k, v in q.bounds.items()))
+        return record
+    if device != ctx.recipe.target.device:
+        log.info("quality gate on %s: %s", device, _missing_for_target(ctx.recipe))
     engine = LLMEngine(ctx.staging, verify=True, device=device)
     reference = _fp32_reference(ctx)
     if reference is None and (q.max_perplexity_increase_pct is not None or q.max_kl_divergence is not None
@@ -250,7 +263,7 @@ def quality_gate(ctx: BuildContext) -> dict[str, Any]:
         compare.score(chunks[PILOT_CHUNKS:n])
     result = compare.result(min(len(ids), compare.chunks * CHUNK_LEN))
     metrics: dict[str, Any] = {
-        "eval_data": ctx.recipe.as_dict().get("quality", {}).get("eval_data"),
+        "eval_data": eval_data,
         "perplexity": _round(result.perplexity),
         "mean_nll": _round(result.mean_nll),
         "eval_tokens": result.chunks * CHUNK_LEN,
@@ -355,21 +368,41 @@ def eval_size(pilot: Any, bound: float | None, available: int) -> tuple[int, dic
     return n, record
 
 
-def _evaluation_device(ctx: BuildContext) -> tuple[str | None, str]:
-    """Where the gate runs the staged artifact: its own device when this machine has it; a torch/cuda
-    artifact on CPU otherwise (the same program); (None, reason) when it cannot run here at all."""
-    t = ctx.recipe.target
-    if t.device == "cpu":
-        return "cpu", ""
+def _missing_for_target(recipe: Recipe) -> str | None:
+    """What this machine lacks to run the recipe's target (runtime.gpu.missing_for); None: nothing."""
+    if recipe.target.device == "cpu":
+        return None
     from runtime.gpu import missing_for
 
-    problem = missing_for(t.backend)
+    return missing_for(recipe.target.backend)
+
+
+def _evaluation_device(recipe: Recipe) -> tuple[str | None, str]:
+    """Where the gate runs the staged artifact: its own device when this machine has it; a torch/cuda
+    artifact on CPU otherwise (the same program); (None, reason) when it cannot run here at all (the
+    reason: what the machine lacks)."""
+    problem = _missing_for_target(recipe)
     if problem is None:
-        return "cuda", ""
-    if t.backend == "torch":
-        log.info("quality gate on cpu: %s", problem)
+        return recipe.target.device, ""
+    if recipe.target.backend == "torch":
         return "cpu", ""
-    return None, f"not evaluated on the build machine: {problem}"
+    return None, problem
+
+
+def check_gate_can_run(recipe: Recipe) -> None:
+    """BuildError (naming the recipe's quality field and what the machine lacks) when the recipe sets
+    quality bounds that cannot be checked on this machine and does not say quality.allow_unevaluated:
+    true. Called before any pass runs."""
+    q = recipe.quality
+    if not q.bounds or q.allow_unevaluated:
+        return
+    device, why_not = _evaluation_device(recipe)
+    if device is None:
+        bounds = ", ".join(f"{k} {v:g}" for k, v in q.bounds.items())
+        raise BuildError(str(recipe.error("quality", (
+            f"the quality gate cannot run on this machine, so its bounds ({bounds}) cannot be checked: {why_not}. "
+            "Build on a machine that runs the target, or set quality.allow_unevaluated: true to build an "
+            "artifact whose manifest records the gate as not evaluated"))))
 
 
 def _fp32_reference(ctx: BuildContext) -> Any:
@@ -591,6 +624,7 @@ def build(recipe_path: str | Path, progress: bool = True, output: str | Path | N
         problem = ps.check_environment(recipe)
         if problem is not None:
             raise BuildError(f"pass {ps.name!r}: {problem}")
+    check_gate_can_run(recipe)
     out_root = Path(output).resolve() if output is not None else recipe.output
     final = check_version_unused(out_root, recipe.name, recipe.version)
     draft: Path | None = None

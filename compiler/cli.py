@@ -195,6 +195,7 @@ def verify(artifact: str, public_key: Path | None, insecure: bool) -> None:
             click.echo(f"FAILED {line}", err=True)
         _fail(f"{artifact}: {len(problems)} problem(s)")
     click.echo(f"ok: {manifest['name']} {manifest['version']}, {len(manifest.get('files', []))} files verified")
+    _echo_quality(manifest)
 
 
 def _sampling(max_tokens: int, temperature: float, top_k: int, top_p: float, seed: int | None,
@@ -444,7 +445,7 @@ def bench(url: str, endpoint: str, model: str | None, num_requests: int, concurr
 
 
 def _verify_reference(ref: str, public_key: Path | None, insecure: bool) -> None:
-    from runtime.artifact import ArtifactError
+    from runtime.artifact import ArtifactError, read_manifest
     from runtime.oci import pull, verify_signature
 
     try:
@@ -456,6 +457,14 @@ def _verify_reference(ref: str, public_key: Path | None, insecure: bool) -> None
         _fail(str(e))
         return
     click.echo(f"ok: {ref} ({result.digest}) verified at {result.path}")
+    _echo_quality(read_manifest(result.path))
+
+
+def _echo_quality(manifest: dict[str, object]) -> None:
+    """verify's last line: the build's quality gate, e.g. "quality: not evaluated (reason); ..."."""
+    from runtime.artifact import quality_line
+
+    click.echo(f"quality: {quality_line(manifest.get('quality'))}")
 
 
 @main.command()

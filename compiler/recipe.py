@@ -121,6 +121,15 @@ class QualitySpec:
     min_token_agreement: float | None = None  # fraction of greedy tokens equal to the unoptimised model's
     agreement_prompts: tuple[str, ...] = ()  # empty: fixed windows of eval_data
     agreement_tokens: int = DEFAULT_AGREEMENT_TOKENS
+    # True: a build whose gate cannot run on the build machine succeeds, its manifest recording the gate
+    # as not evaluated; False (default): such a build fails, naming what the machine lacks
+    allow_unevaluated: bool = False
+
+    @property
+    def bounds(self) -> dict[str, float]:
+        """The bounds the recipe sets (name -> value); empty: nothing to gate."""
+        return {k: v for k in ("max_perplexity", "max_perplexity_increase_pct", "max_kl_divergence",
+                               "min_token_agreement") if (v := getattr(self, k)) is not None}
 
 
 @dataclass(frozen=True)
@@ -241,6 +250,7 @@ def load_recipe(path: str | Path, pass_options: Mapping[str, type | None] | None
         min_token_agreement=_opt_float(q.get("min_token_agreement")),
         agreement_prompts=tuple(q.get("agreement_prompts", ())),
         agreement_tokens=q.get("agreement_tokens", DEFAULT_AGREEMENT_TOKENS),
+        allow_unevaluated=bool(q.get("allow_unevaluated", False)),
     )
 
     calibration = None

@@ -32,6 +32,7 @@ __all__ = [
     "check_version_unused",
     "describe",
     "file_entries",
+    "quality_line",
     "read_manifest",
     "sha256_file",
     "verify_artifact",
@@ -537,6 +538,39 @@ def _sha_of(section: Any) -> str:
     return _line(section)
 
 
+def quality_line(quality: Any) -> str:
+    """The manifest's quality record in one line (inspect's `quality` row; verify and serve print it as
+    "quality: <line>"): the measured values and whether they passed, or "not evaluated (reason)" when the
+    gate could not run on the build machine, or "no bounds set" when the recipe gave nothing to gate."""
+    if not isinstance(quality, dict):
+        return _line(quality)
+    bounds = quality.get("bounds")
+    if quality.get("evaluated") is False:
+        reason = str(quality.get("reason", "no reason recorded"))
+        if bounds is None:  # a manifest from before the record kept its bounds
+            return f"not evaluated ({reason})"
+        if bounds == {} and quality.get("eval_data") is None:
+            return f"no bounds set: nothing gated ({reason})"
+        if not bounds:
+            return f"not evaluated ({reason}); no bounds set"
+        allowed = f", allowed by {quality['allowed_by']}" if quality.get("allowed_by") else ""
+        return f"not evaluated ({reason}); bounds not checked: {_short(bounds)}{allowed}"
+    m = quality.get("metrics")
+    if not isinstance(m, dict):
+        return _line(quality)
+    shown = [f"{label} {_short(m[k])}" for k, label in (
+        ("perplexity", "perplexity"), ("perplexity_increase_pct", "change %"), ("kl_divergence", "KL"),
+        ("token_agreement", "token agreement")) if k in m]
+    if "perplexity_increase_se_pct" in m and "perplexity_increase_ci_pct" in m:  # gates with error bars
+        ci = m["perplexity_increase_ci_pct"]
+        shown = [f"{t} +- {_short(m['perplexity_increase_se_pct'])} (95% interval {_short(ci[0])}..{_short(ci[1])}, "
+                 f"{m.get('eval_chunks', '?')} chunks)" if t.startswith("change %") else t for t in shown]
+    if not bounds:
+        return "measured, no bounds set: " + ", ".join(shown)
+    return (f"{'passed' if quality.get('passed') else 'not passed'}: " + ", ".join(shown)
+            + f" (bounds: {_short(bounds)})")
+
+
 def pass_changes(entry: dict[str, Any]) -> str:
     """One line saying what a pass changed, from its manifest record (nodes before -> after,
     fusions fired, weights quantized, kernels chosen, plans made); the whole record is in --json."""
@@ -660,20 +694,8 @@ def _describe(manifest: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append(("cuda graphs", text))
     elif cg is not None:
         rows.append(("cuda graphs", _line(cg)))
-    quality = manifest.get("quality")
-    if isinstance(quality, dict) and isinstance(quality.get("metrics"), dict):
-        m = quality["metrics"]
-        shown = [f"{label} {_short(m[k])}" for k, label in (
-            ("perplexity", "perplexity"), ("perplexity_increase_pct", "change %"), ("kl_divergence", "KL"),
-            ("token_agreement", "token agreement")) if k in m]
-        if "perplexity_increase_se_pct" in m and "perplexity_increase_ci_pct" in m:  # gates with error bars
-            ci = m["perplexity_increase_ci_pct"]
-            shown = [f"{t} +- {_short(m['perplexity_increase_se_pct'])} (95% interval {_short(ci[0])}..{_short(ci[1])}, "
-                     f"{m.get('eval_chunks', '?')} chunks)" if t.startswith("change %") else t for t in shown]
-        rows.append(("quality", f"{'passed' if quality.get('passed') else 'not passed'}: " + ", ".join(shown)
-                     + (f" (bounds: {_short(quality.get('bounds'))})" if quality.get("bounds") else "")))
-    elif quality is not None:
-        rows.append(("quality", _line(quality)))
+    if "quality" in manifest:
+        rows.append(("quality", quality_line(manifest["quality"])))
     files = [f for f in manifest.get("files") or [] if isinstance(f, dict)]
     total = sum(int(f.get("bytes", 0)) for f in files)
     rows.append(("files", f"{len(files)} files, {total:,} bytes ({total / 2**20:.1f} MiB)"))

@@ -93,7 +93,7 @@ from typing import Any
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
-from runtime.artifact import Artifact, ArtifactError, read_manifest, sha256_file
+from runtime.artifact import Artifact, ArtifactError, quality_line, read_manifest, sha256_file
 from runtime.async_engine import (
     AsyncEngine,
     EngineDeadError,
@@ -716,6 +716,11 @@ class Server:
         self.artifact_name = str(manifest["name"])
         self.artifact_version = str(manifest["version"])
         self.manifest_sha256 = sha256_file(Path(config.artifact) / "manifest.json")
+        quality = manifest.get("quality")
+        # the build's quality gate in one line; a warning when it was not evaluated on the build machine
+        level = logging.WARNING if isinstance(quality, dict) and quality.get("evaluated") is False \
+            and quality.get("bounds") != {} else logging.INFO
+        log.log(level, "quality: %s", quality_line(quality))
         self.model_id = config.served_model_name or self.artifact_name
         self.metrics = ServingMetrics(self.artifact_name, self.artifact_version, self.manifest_sha256)
         self.state = "loading"  # loading -> ready -> draining | failed

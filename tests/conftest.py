@@ -65,8 +65,12 @@ def write_recipe(folder: Path, checkpoint: Path, name: str = "test-model", passe
     return path
 
 
+NORM_SPREAD = 0.3  # the norm weights of random checkpoints: init +- this (uniform)
+
+
 def make_random_checkpoint(folder: Path, arch: str, seed: int = 0, **overrides: object) -> Path:
-    """A small random Hugging Face checkpoint (safetensors + the demo tokenizer), GQA."""
+    """A small random Hugging Face checkpoint (safetensors + the demo tokenizer), GQA; every parameter has
+    random values, the norm weights included (NORM_SPREAD)."""
     import torch
     import transformers
 
@@ -120,6 +124,11 @@ def make_random_checkpoint(folder: Path, arch: str, seed: int = 0, **overrides: 
                 p.mul_(4.0)
             elif name.endswith(".bias"):  # transformers initialises biases to 0 (Qwen2's QKV bias)
                 p.normal_(0.0, 0.5)
+            else:  # norm weights: each its own values around its init (1, or 0 for Gemma's 1 + w), so that
+                # a norm swapped for another, dropped or misread changes the output
+                p.add_(torch.empty_like(p).uniform_(-NORM_SPREAD, NORM_SPREAD))
+        others = [n for n, p in model.named_parameters() if p.ndim == 1 and not n.endswith((".bias", "norm.weight"))]
+        assert not others, f"1-D parameters this helper does not know how to randomise: {others}"
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder, safe_serialization=True)
     for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):

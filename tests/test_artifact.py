@@ -20,6 +20,7 @@ from runtime.artifact import (
     describe,
     file_entries,
     pass_changes,
+    quality_line,
     read_manifest,
     sha256_file,
     verify_artifact,
@@ -230,6 +231,24 @@ def test_describe(artifact: Path) -> None:
     assert "perplexity=12.25" in rows["quality"]
     assert rows["files"].startswith("4 files, ")
     assert dict(describe({}))["files"].startswith("0 files")
+
+
+def test_quality_line_says_what_the_gate_did() -> None:
+    """One line per gate record that compiler/build.py writes (and an older manifest's record)."""
+    passed = {"evaluated": True, "device": "cpu", "passed": True, "bounds": {"max_perplexity": 16.0},
+              "metrics": {"perplexity": 12.5, "eval_chunks": 4}}
+    assert quality_line(passed) == "passed: perplexity 12.5 (bounds: max_perplexity=16)"
+    assert quality_line({**passed, "bounds": {}}) == "measured, no bounds set: perplexity 12.5"
+    unevaluated = {"evaluated": False, "eval_data": "eval.txt", "bounds": {"max_kl_divergence": 0.01},
+                   "reason": "target tensorrt/cuda cannot run on this machine; missing: tensorrt",
+                   "allowed_by": "quality.allow_unevaluated"}
+    assert quality_line(unevaluated) == ("not evaluated (target tensorrt/cuda cannot run on this machine; "
+                                         "missing: tensorrt); bounds not checked: max_kl_divergence=0.01, "
+                                         "allowed by quality.allow_unevaluated")
+    assert quality_line({**unevaluated, "bounds": {}}).endswith("missing: tensorrt); no bounds set")
+    assert quality_line({"evaluated": False, "eval_data": None, "bounds": {}, "reason": "no eval_data"}) == \
+        "no bounds set: nothing gated (no eval_data)"
+    assert quality_line({"evaluated": False, "reason": "old"}) == "not evaluated (old)"  # before bounds were kept
 
 
 def test_pass_changes_say_what_each_pass_did() -> None:

@@ -232,6 +232,25 @@ def test_existing_version_is_refused_and_left_untouched(demo_artifact: Path, tmp
     assert sorted(p.name for p in existing.parent.iterdir()) == ["1.0.0"]
 
 
+def test_a_recipe_without_bounds_says_so_in_inspect_and_verify(tmp_path: Path) -> None:
+    """No quality section: nothing to gate; the manifest records that, and inspect and verify say it
+    (rather than "passed" or a silence)."""
+    ckpt = make_random_checkpoint(tmp_path / "ckpt", "LlamaForCausalLM")
+    res, _ = run_cli("build", "--no-progress", write_recipe(tmp_path, ckpt))
+    assert res.returncode == 0, res.stderr
+    artifact = tmp_path / "artifacts" / "test-model" / "1.0.0"
+    assert json.loads((artifact / "manifest.json").read_text())["quality"] == {
+        "evaluated": False, "eval_data": None, "bounds": {},
+        "reason": "the recipe names no quality.eval_data and sets no bounds: nothing to gate"}
+    want = "no bounds set: nothing gated (the recipe names no quality.eval_data and sets no bounds: nothing to gate)"
+    res, _ = run_cli("inspect", artifact)
+    assert res.returncode == 0, res.stderr
+    assert [ln.split(None, 1)[1] for ln in res.stdout.splitlines() if ln.startswith("quality ")] == [want]
+    res, _ = run_cli("verify", artifact)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines()[-1] == f"quality: {want}"
+
+
 @pytest.mark.slow
 def test_quality_gate_failure_writes_no_artifact(tmp_path: Path) -> None:
     ckpt = make_random_checkpoint(tmp_path / "ckpt", "LlamaForCausalLM")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -172,10 +173,55 @@ def test_onnxruntime_cuda_demo_builds_here_with_paged_attention(tmp_path: Path) 
     assert fuse["fusions"]["rotary"] == 12 and fuse["nodes_after"] == 146  # float16 caches (tests/test_fusion.py)
     assert manifest["cuda_graphs"]["capturable"] and manifest["cuda_graphs"]["applies"]
     if missing_for("onnxruntime") is not None:
-        assert manifest["quality"]["evaluated"] is False
-        assert manifest["quality"]["reason"].startswith("not evaluated on the build machine: target onnxruntime/cuda")
+        # the recipe says quality.allow_unevaluated: the gate is recorded as not run, with what is missing
+        quality = manifest["quality"]
+        assert quality == {"evaluated": False, "eval_data": "../models/pycode-llama-6m/eval.txt",
+                           "bounds": {"max_perplexity": 16.0, "max_perplexity_increase_pct": 0.5},
+                           "reason": missing_for("onnxruntime"), "allowed_by": "quality.allow_unevaluated"}
+        assert quality["reason"].startswith("target onnxruntime/cuda cannot run on this machine; missing: ")
         with pytest.raises(RuntimeError, match="onnxruntime-gpu"):
             LLM(artifact)
+        # inspect, verify and serve say so in one line
+        line = re.compile(r"quality:? +not evaluated \(target onnxruntime/cuda cannot run on this machine; "
+                          r"missing: onnxruntime-gpu [^\n]*\); bounds not checked: max_perplexity=16, "
+                          r"max_perplexity_increase_pct=0\.5, allowed by quality\.allow_unevaluated\n")
+        cli = [sys.executable, "-m", "compiler.cli"]
+        shown = subprocess.run([*cli, "inspect", str(artifact)], capture_output=True, text=True, check=True).stdout
+        assert len(line.findall(shown)) == 1, shown
+        verified = subprocess.run([*cli, "verify", str(artifact)], capture_output=True, text=True, check=True).stdout
+        assert verified.splitlines()[0].startswith("ok: pycode-llama-6m-ort-cuda 1.0.0")
+        assert len(line.findall(verified)) == 1 and verified.splitlines()[1].startswith("quality: not evaluated")
+        served = subprocess.run([*cli, "serve", str(artifact), "--port", "0"], capture_output=True, text=True,
+                                timeout=300)
+        assert served.returncode == 1  # it cannot load here (no onnxruntime-gpu); the line comes at start
+        assert re.search(r"^WARNING runtime\.server: quality: not evaluated \(", served.stderr, re.M), served.stderr
+        assert len(line.findall(served.stderr)) == 1, served.stderr
+
+
+@pytest.mark.skipif(missing_for("onnxruntime") is None, reason="this machine runs onnxruntime/cuda: the gate runs")
+def test_a_bounded_gate_that_cannot_run_here_fails_the_build(tmp_path: Path) -> None:
+    """An onnxruntime/cuda recipe with quality bounds on a machine without ONNX Runtime's CUDA provider:
+    the build fails before any pass, naming the recipe's quality field and what is missing, and leaves
+    nothing; with quality.allow_unevaluated: true the same recipe builds (above, on the demo recipe)."""
+    from compiler.build import BuildError
+
+    ckpt = make_random_checkpoint(tmp_path / "ckpt", "LlamaForCausalLM", seed=9)
+    passes = "  - name: select_attention\n  - name: capture\n  - name: lower_onnx\n  - name: package\n"
+    quality = f"quality:\n  eval_data: {DEMO_MODEL / 'eval.txt'}\n  max_perplexity_increase_pct: 1.0\n"
+    recipe = write_recipe(tmp_path, ckpt, passes=passes, device="cuda", dtype="float16", extra=quality)
+    with pytest.raises(BuildError) as e:
+        build(recipe, progress=False)
+    text = str(e.value)
+    assert text.startswith(f"{recipe}:") and ": quality: the quality gate cannot run on this machine, so its " \
+        "bounds (max_perplexity_increase_pct 1) cannot be checked: target onnxruntime/cuda cannot run on this " \
+        "machine; missing: onnxruntime-gpu" in text, text
+    assert "set quality.allow_unevaluated: true" in text
+    assert not (tmp_path / "artifacts").exists()  # nothing built, nothing left
+    # the CLI: exit 1 and the same message
+    proc = subprocess.run([sys.executable, "-m", "compiler.cli", "build", str(recipe), "--no-progress"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "quality gate cannot run on this machine" in proc.stderr, proc.stderr
+    assert "no artifact was written" in proc.stderr
 
 
 @pytest.mark.parametrize("backend,device,dtype,words", [

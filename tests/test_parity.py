@@ -214,6 +214,68 @@ def test_random_model_greedy_continuous_batching(random_model: tuple[Path, Path]
     assert got == want
 
 
+# -- LongRoPE past the original context -------------------------------------------------------------
+
+# A Phi-3 with LongRoPE over an original context of 64 (8 of each: the 16-dimension heads turn whole), built with
+# max_model_len 512 (the recipe's) past it: the build takes the long factors (compiler/checkpoint.py), which is
+# transformers' rotation for any forward longer than 64 tokens
+LONGROPE_PAST = {"rope_theta": 10000.0, "rope_type": "longrope", "partial_rotary_factor": 1.0,
+                 "original_max_position_embeddings": 64,
+                 "short_factor": [1.0, 1.05, 1.2, 1.5, 1.9, 2.4, 3.0, 3.6],
+                 "long_factor": [1.2, 1.6, 2.5, 4.0, 6.0, 9.0, 13.0, 18.0]}
+
+
+@pytest.fixture(scope="module", params=TARGETS)
+def longrope_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(checkpoint, artifact) of that Phi-3 on each CPU target (paged_cpu: fused, the kernel turns q/k)."""
+    folder = tmp_path_factory.mktemp("phi3-longrope-past")
+    ckpt = make_random_checkpoint(folder / "ckpt", "Phi3ForCausalLM", seed=21, rope_parameters=LONGROPE_PAST,
+                                  original_max_position_embeddings=64, max_position_embeddings=512)
+    if request.param == "onnxruntime-paged_cpu":
+        recipe = write_recipe(folder, ckpt, name="phi3", passes=PAGED_CPU_PASSES)
+    else:
+        recipe = write_recipe(folder, ckpt, name="phi3", backend=request.param)
+    artifact = build(recipe, progress=False)
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    assert manifest["source"]["config"]["rope_scaling"]["factors"] == "long"
+    assert json.loads((artifact / "runtime.json").read_text())["scheduler"]["max_model_len"] == 512
+    if request.param == "onnxruntime-paged_cpu":
+        fuse = next(p for p in manifest["passes"] if p["name"] == "fuse")["stats"]
+        assert fuse["fusions"]["rotary_attention"] == 2  # the kernel rotates with the artifact's caches
+    return ckpt, artifact
+
+
+def test_longrope_logits_past_the_original_context(longrope_model: tuple[Path, Path]) -> None:
+    """A 100-token prompt (the original context is 64), prefilled in chunks of which one ends at 64 and the
+    next crosses it: every token's logits within 1e-3 of transformers' forward of the whole prompt."""
+    ckpt, artifact = longrope_model
+    ids = prompts_of([100], seed=5)[0]
+    model = hf_model(ckpt)
+    ref = hf_logits(model, ids)
+    got = chunked_logits(LLMEngine(artifact), ids, [13, 40, 64, 65, 100])
+    assert got.shape == ref.shape
+    assert np.abs(got - ref).max() < LOGITS_TOL
+    # transformers switches factor sets per forward, by its length: a 40-token forward (within 64) turns with
+    # the short factors. The artifact turns every position with the long ones, so on a prompt within the
+    # original context its logits are those of the same tokens at the head of a longer forward
+    # (docs/architecture.md, LongRoPE), not transformers' of the short forward
+    short = LLMEngine(artifact)
+    head = chunked_logits(short, ids[:40], [40])
+    assert np.abs(head - ref[:40]).max() < LOGITS_TOL
+    assert np.abs(head - hf_logits(model, ids[:40])).max() > 10 * LOGITS_TOL
+
+
+def test_longrope_greedy_past_the_original_context(longrope_model: tuple[Path, Path]) -> None:
+    """Greedy generation through the engine's scheduler from prompts already past the original context
+    (transformers turns all of these with the long factors): identical to transformers' `generate`."""
+    ckpt, artifact = longrope_model
+    prompts = prompts_of([70, 90], seed=6)
+    model = hf_model(ckpt)
+    want = [hf_greedy(model, p, 24) for p in prompts]
+    engine = LLMEngine(artifact, max_num_batched_tokens=48, max_num_seqs=4)
+    assert staggered_greedy(engine, prompts, arrivals=[0, 1], n=24) == want
+
+
 # -- the trained demo model ------------------------------------------------------------------------
 
 
