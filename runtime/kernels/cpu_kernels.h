@@ -73,17 +73,20 @@ typedef struct {
 /* ---- MatMulBf16 ------------------------------------------------------------------------------------------- */
 
 /* nr rows of a row block against two panels (w1 may repeat w0: an odd last panel, then c1 = 0): y's columns
- * [0, c0) from w0 and [16, 16 + c1) from w1 */
-typedef void (*BfRowsFn)(const uint32_t *a2, int64_t lda, int64_t nr, const uint32_t *w0, const uint32_t *w1,
+ * [0, c0) from w0 and [16, 16 + c1) from w1. a: the rows' bf16-rounded values, lda K pairs apart: float32
+ * [.., 2 * lda] for the FMA tiles (a broadcast is then one load), bf16 pairs uint32 [.., lda] for vdpbf16ps. */
+typedef void (*BfRowsFn)(const void *a, int64_t lda, int64_t nr, const uint32_t *w0, const uint32_t *w1,
                          int64_t KP, float *y, int64_t ldy, int64_t c0, int64_t c1);
 
 typedef struct {
     const float *a;
-    uint16_t *a16;    /* a in bf16, [M][2 * KP] (KP pairs per row, the odd K padded with 0) */
+    void *ab;         /* a rounded to bf16, [M][2 * KP] (KP pairs per row, the odd K padded with 0): float32
+                       * values (a_f32) or bf16 bits (uint16) */
     const uint32_t *w; /* [NP][KP][16] pairs */
     float *y;
     int64_t M, K, KP, N, NP, NC, rows_per_conv;
     BfRowsFn rows;    /* the path's tiles */
+    int a_f32;        /* ab holds float32 (the FMA tiles) rather than bf16 bits (vdpbf16ps) */
 } BfJob;
 
 /* ---- one code path: the functions the thread pool runs (signature of ONNX Runtime's ParallelFor) -------- */
@@ -94,7 +97,7 @@ typedef struct {
     void (*attention_item)(void *job, size_t index);  /* Job */
     void (*quantize_rows_item)(void *job, size_t index);  /* QuantJob */
     void (*silu_mul_item)(void *job, size_t index);  /* SmJob */
-    void (*bf16_convert_rows)(void *job, size_t index);  /* BfJob: a -> a16 */
+    void (*bf16_convert_rows)(void *job, size_t index);  /* BfJob: a -> ab */
     BfRowsFn bf16_rows;
     BfRowsFn bf16_rows_dp; /* AVX-512 BF16's vdpbf16ps (avx512 table only; NULL elsewhere) */
 } CpuKernels;

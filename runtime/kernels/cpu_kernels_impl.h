@@ -504,7 +504,8 @@ static void bf16_convert_rows(void *arg, size_t index) {
     const int64_t r1 = r0 + job->rows_per_conv < job->M ? r0 + job->rows_per_conv : job->M;
     for (int64_t r = r0; r < r1; r++) {
         const float *x = job->a + r * job->K;
-        uint16_t *o = job->a16 + r * 2 * job->KP;
+        uint16_t *o = (uint16_t *)job->ab + r * 2 * job->KP;
+        uint32_t *of = (uint32_t *)job->ab + r * 2 * job->KP; /* a_f32: the bf16 value as float32 bits */
         int64_t k = 0;
         for (; k + VL <= job->K; k += VL) {
             vu32 u;
@@ -512,11 +513,27 @@ static void bf16_convert_rows(void *arg, size_t index) {
             const vi nan = (vi)((u & 0x7fffffffu) > 0x7f800000u);
             const vu32 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
             const vu32 quiet = (u >> 16) | 0x40u;
-            const vu16 b = __builtin_convertvector((vu32)((nan & (vi)quiet) | (~nan & (vi)rounded)), vu16);
-            memcpy(o + k, &b, sizeof b);
+            const vu32 bits = (vu32)((nan & (vi)quiet) | (~nan & (vi)rounded));
+            if (job->a_f32) {
+                const vu32 wide = bits << 16;
+                memcpy(of + k, &wide, sizeof wide);
+            } else {
+                const vu16 b = __builtin_convertvector(bits, vu16);
+                memcpy(o + k, &b, sizeof b);
+            }
         }
-        for (; k < job->K; k++) o[k] = bf16_round(x[k]);
-        if (job->K % 2) o[job->K] = 0;
+        for (; k < job->K; k++) {
+            if (job->a_f32)
+                of[k] = (uint32_t)bf16_round(x[k]) << 16;
+            else
+                o[k] = bf16_round(x[k]);
+        }
+        if (job->K % 2) {
+            if (job->a_f32)
+                of[job->K] = 0;
+            else
+                o[job->K] = 0;
+        }
     }
 }
 
@@ -546,19 +563,13 @@ static inline void bf16_widen(const uint32_t *const *w, int64_t kk, vf *e, vf *o
     }
 }
 
-static inline void bf16_pair(uint32_t p, float *ae, float *ao) {
-    const uint32_t pe = p << 16, po = p & 0xffff0000u;
-    memcpy(ae, &pe, sizeof *ae);
-    memcpy(ao, &po, sizeof *ao);
-}
-
 static inline void bf16_store_row(float *y, const vf *acc, const int64_t *ncols) {
     for (int v = 0; v < NV; v++) bf16_store(y + (v / PV) * BF_PANEL + (v % PV) * VL, acc[v], ncols[v / PV] - (v % PV) * VL);
 }
 
 /* MR rows x BF_NPAN panels over all K: acc += a_even * w_even + a_odd * w_odd (two FMAs per vector). */
 #define BF16_TILE(MR)                                                                                          \
-    static inline __attribute__((always_inline)) void bf16_tile_##MR(const uint32_t *a2, int64_t lda,          \
+    static inline __attribute__((always_inline)) void bf16_tile_##MR(const float *af, int64_t lda,             \
                                                                      const uint32_t *const *w, int64_t KP,      \
                                                                      float *y, int64_t ldy,                     \
                                                                      const int64_t *ncols) {                   \
@@ -569,8 +580,7 @@ static inline void bf16_store_row(float *y, const vf *acc, const int64_t *ncols)
             vf e[NV], o[NV];                                                                                   \
             bf16_widen(w, kk, e, o);                                                                           \
             for (int r = 0; r < MR; r++) {                                                                     \
-                float ae, ao;                                                                                  \
-                bf16_pair(a2[r * lda + kk], &ae, &ao);                                                         \
+                const float ae = af[r * 2 * lda + 2 * kk], ao = af[r * 2 * lda + 2 * kk + 1];                  \
                 for (int v = 0; v < NV; v++) acc[r][v] += ae * e[v] + ao * o[v];                               \
             }                                                                                                  \
         }                                                                                                      \
@@ -586,7 +596,7 @@ BF16_TILE(2)
 
 /* One row (decode): the even and odd products in separate accumulators and BF_UNROLL pair rows per step,
  * so 2 * BF_UNROLL * NV multiply-add chains run at once while the weights stream from memory. */
-static inline __attribute__((always_inline)) void bf16_tile_1(const uint32_t *a2, int64_t lda,
+static inline __attribute__((always_inline)) void bf16_tile_1(const float *af, int64_t lda,
                                                                const uint32_t *const *w, int64_t KP, float *y,
                                                                int64_t ldy, const int64_t *ncols) {
     (void)lda;
@@ -598,9 +608,8 @@ static inline __attribute__((always_inline)) void bf16_tile_1(const uint32_t *a2
     for (; kk + BF_UNROLL <= KP; kk += BF_UNROLL) {
         for (int u = 0; u < BF_UNROLL; u++) {
             vf e[NV], o[NV];
-            float ae, ao;
+            const float ae = af[2 * (kk + u)], ao = af[2 * (kk + u) + 1];
             bf16_widen(w, kk + u, e, o);
-            bf16_pair(a2[kk + u], &ae, &ao);
             for (int v = 0; v < NV; v++) {
                 ae_acc[u][v] += ae * e[v];
                 ao_acc[u][v] += ao * o[v];
@@ -609,9 +618,8 @@ static inline __attribute__((always_inline)) void bf16_tile_1(const uint32_t *a2
     }
     for (; kk < KP; kk++) {
         vf e[NV], o[NV];
-        float ae, ao;
+        const float ae = af[2 * kk], ao = af[2 * kk + 1];
         bf16_widen(w, kk, e, o);
-        bf16_pair(a2[kk], &ae, &ao);
         for (int v = 0; v < NV; v++) {
             ae_acc[0][v] += ae * e[v];
             ao_acc[0][v] += ao * o[v];
@@ -625,8 +633,9 @@ static inline __attribute__((always_inline)) void bf16_tile_1(const uint32_t *a2
     bf16_store_row(y, sum, ncols);
 }
 
-static void bf16_rows(const uint32_t *a2, int64_t lda, int64_t nr, const uint32_t *w0, const uint32_t *w1,
+static void bf16_rows(const void *a, int64_t lda, int64_t nr, const uint32_t *w0, const uint32_t *w1,
                       int64_t KP, float *y, int64_t ldy, int64_t c0, int64_t c1) {
+    const float *af = (const float *)a;
     const uint32_t *wp[2] = {w0, w1};
     const int64_t nc[2] = {c0, c1};
     for (int p = 0; p < 2; p += BF_NPAN) {
@@ -636,30 +645,30 @@ static void bf16_rows(const uint32_t *a2, int64_t lda, int64_t nr, const uint32_
         float *yp = y + p * BF_PANEL;
         int64_t r = 0;
         if (nr == 1) {
-            bf16_tile_1(a2, lda, w, KP, yp, ldy, ncols);
+            bf16_tile_1(af, lda, w, KP, yp, ldy, ncols);
             continue;
         }
         for (; r + BF_MR <= nr; r += BF_MR) {
 #if BF_MR == 8
-            bf16_tile_8(a2 + r * lda, lda, w, KP, yp + r * ldy, ldy, ncols);
+            bf16_tile_8(af + r * 2 * lda, lda, w, KP, yp + r * ldy, ldy, ncols);
 #elif BF_MR == 4
-            bf16_tile_4(a2 + r * lda, lda, w, KP, yp + r * ldy, ldy, ncols);
+            bf16_tile_4(af + r * 2 * lda, lda, w, KP, yp + r * ldy, ldy, ncols);
 #else
-            bf16_tile_2(a2 + r * lda, lda, w, KP, yp + r * ldy, ldy, ncols);
+            bf16_tile_2(af + r * 2 * lda, lda, w, KP, yp + r * ldy, ldy, ncols);
 #endif
         }
 #if BF_MR > 4
         if (nr - r >= 4) {
-            bf16_tile_4(a2 + r * lda, lda, w, KP, yp + r * ldy, ldy, ncols);
+            bf16_tile_4(af + r * 2 * lda, lda, w, KP, yp + r * ldy, ldy, ncols);
             r += 4;
         }
 #endif
 #if BF_MR > 2
         if (nr - r >= 2) {
-            bf16_tile_2(a2 + r * lda, lda, w, KP, yp + r * ldy, ldy, ncols);
+            bf16_tile_2(af + r * 2 * lda, lda, w, KP, yp + r * ldy, ldy, ncols);
             r += 2;
         }
 #endif
-        if (nr - r >= 1) bf16_tile_1(a2 + r * lda, lda, w, KP, yp + r * ldy, ldy, ncols);
+        if (nr - r >= 1) bf16_tile_1(af + r * 2 * lda, lda, w, KP, yp + r * ldy, ldy, ncols);
     }
 }

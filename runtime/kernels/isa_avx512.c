@@ -41,8 +41,9 @@ BF16_DP(2)
 BF16_DP(1)
 
 BF16_DP_TARGET
-static void bf16_rows_dp(const uint32_t *a2, int64_t lda, int64_t nr, const uint32_t *w0, const uint32_t *w1,
+static void bf16_rows_dp(const void *a, int64_t lda, int64_t nr, const uint32_t *w0, const uint32_t *w1,
                          int64_t KP, float *y, int64_t ldy, int64_t c0, int64_t c1) {
+    const uint32_t *a2 = (const uint32_t *)a;
     int64_t r = 0;
     for (; r + 8 <= nr; r += 8) bf16_tile_dp_8(a2 + r * lda, lda, w0, w1, KP, y + r * ldy, ldy, c0, c1);
     if (nr - r >= 4) {

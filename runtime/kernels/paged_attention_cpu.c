@@ -565,7 +565,7 @@ static OrtStatus *quantize_rows_compute(const Kernel *kern, OrtKernelContext *ct
  * instruction (32 products per instruction, twice the float32 FMA's); elsewhere each path widens the
  * pairs to float32 in registers (a 16-bit shift, exact) and uses FMA (AVX2, AVX-512) or multiply + add
  * (baseline): the same products of the same bf16 values, half the weight bytes of float32 read from
- * memory. Work items are (64 rows, 32 columns): the columns' panel pair stays in L2 while the rows pass
+ * memory; the rounded activations are then kept as float32, so broadcasting one is a single load. Work items are (64 rows, 32 columns): the columns' panel pair stays in L2 while the rows pass
  * over it, in register tiles of rows x panels sized per path (cpu_kernels_impl.h). */
 #define BF_OP_NAME "MatMulBf16"
 
@@ -578,9 +578,10 @@ static void bf16_item(void *arg, size_t index) {
     const int64_t n0 = p0 * BF_PANEL;
     const int64_t c0 = job->N - n0 < BF_PANEL ? job->N - n0 : BF_PANEL;
     const int64_t c1 = has1 ? (job->N - n0 - BF_PANEL < BF_PANEL ? job->N - n0 - BF_PANEL : BF_PANEL) : 0;
-    const uint32_t *a2 = (const uint32_t *)(const void *)(job->a16 + m0 * 2 * job->KP);
+    const void *a = job->a_f32 ? (const void *)((const float *)job->ab + m0 * 2 * job->KP)
+                               : (const void *)((const uint16_t *)job->ab + m0 * 2 * job->KP);
     float *y = job->y + m0 * job->N + n0;
-    job->rows(a2, job->KP, nr, w0, w1, job->KP, y, job->N, c0, c1);
+    job->rows(a, job->KP, nr, w0, w1, job->KP, y, job->N, c0, c1);
 }
 
 static OrtStatus *matmul_bf16_compute(const Kernel *kern, OrtKernelContext *ctx) {
@@ -608,14 +609,14 @@ static OrtStatus *matmul_bf16_compute(const Kernel *kern, OrtKernelContext *ctx)
         return st;
     if (M == 0 || N == 0) return NULL;
     BfJob job = {(const float *)a.data, NULL, (const uint32_t *)w.data, NULL, M, K, KP, N, NP, (NP + 1) / 2, 0,
-                 kern->bf16_dp ? kern->paths->bf16_rows_dp : kern->paths->bf16_rows};
+                 kern->bf16_dp ? kern->paths->bf16_rows_dp : kern->paths->bf16_rows, !kern->bf16_dp};
     if ((st = ORT_FN(g_api, GetTensorMutableData, OrtGetTensorMutableDataFn)(out_v, (void **)&job.y))) return st;
     if (K == 0) {
         memset(job.y, 0, sizeof(float) * (size_t)(M * N));
         return NULL;
     }
-    job.a16 = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(M * 2 * KP));
-    if (!job.a16) FAIL("out of memory for the bfloat16 copy of a [%lld, %lld]", (long long)M, (long long)K);
+    job.ab = malloc((job.a_f32 ? sizeof(float) : sizeof(uint16_t)) * (size_t)(M * 2 * KP));
+    if (!job.ab) FAIL("out of memory for the bfloat16 copy of a [%lld, %lld]", (long long)M, (long long)K);
     OrtKernelContextParallelForFn parallel_for =
         ORT_FN(g_api, KernelContext_ParallelFor, OrtKernelContextParallelForFn);
     job.rows_per_conv = ((1 << 16) + K - 1) / K;
@@ -630,7 +631,7 @@ static OrtStatus *matmul_bf16_compute(const Kernel *kern, OrtKernelContext *ctx)
         st = parallel_for(ctx, bf16_item, items, 0, &job);
     else if (!st)
         for (size_t i = 0; i < items; i++) bf16_item(&job, i);
-    free(job.a16);
+    free(job.ab);
     return st;
 }
 
