@@ -19,12 +19,16 @@ setup(
         ),
         # Not a Python module: a custom-op library that ONNX Runtime loads (SessionOptions.
         # register_custom_ops_library); runtime/kernels/paged_attention_cpu.py finds and registers it.
-        # gnu11 allows fused multiply-add (tolerance-tested against the reference attention); -Wno-psabi: the
-        # 64-byte vector types only cross static inline helpers, never an ABI boundary.
+        # One code path per instruction set (isa_avx512.c, isa_avx2.c, isa_baseline.c: the same loops for 16, 8
+        # and 4 float lanes, each file setting its target with #pragma GCC target), chosen per op at
+        # registration from the CPU's features or OPTIMIZE_CPU_ISA. gnu11 allows fused multiply-add
+        # (tolerance-tested against the reference attention); -Wno-psabi: the vector types only cross static
+        # inline helpers, never an ABI boundary.
         Extension(
             "runtime.kernels._paged_attention_cpu",
-            sources=["runtime/kernels/paged_attention_cpu.c"],
-            depends=["runtime/kernels/ort_api.h"],
+            sources=["runtime/kernels/paged_attention_cpu.c", "runtime/kernels/isa_avx512.c",
+                     "runtime/kernels/isa_avx2.c", "runtime/kernels/isa_baseline.c"],
+            depends=["runtime/kernels/ort_api.h", "runtime/kernels/cpu_kernels.h", "runtime/kernels/cpu_kernels_impl.h"],
             extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wextra", "-Wno-psabi", "-fno-trapping-math"],
         ),
     ]

@@ -221,10 +221,14 @@ def _sampling(max_tokens: int, temperature: float, top_k: int, top_p: float, see
 @click.option("--cuda-graphs", type=click.Choice(["auto", "padded", "off"]), default=None,
               help="Decode-bucket CUDA graphs (torch and ONNX Runtime CUDA artifacts): auto captures them on a "
                    "GPU; padded runs the padded static-shape step uncaptured; off runs every step eagerly.")
+@click.option("--retune", is_flag=True,
+              help="Re-measure the CPU code path of the package's C ops (avx512 / avx2 / baseline) on this machine "
+                   "before loading and use the fastest (ONNX Runtime CPU artifacts; the attention variant is part "
+                   "of the graph and stays).")
 @_reference_options
 def generate(artifact: str, prompt: str, max_tokens: int, temperature: float, top_k: int, top_p: float,
              seed: int | None, stop: tuple[str, ...], escapes: bool, device: str | None,
-             cuda_graphs: str | None, require_signature: Path | None, insecure: bool) -> None:
+             cuda_graphs: str | None, retune: bool, require_signature: Path | None, insecure: bool) -> None:
     """Stream a continuation of PROMPT from ARTIFACT (a folder, or a reference: pulled and verified first)."""
     from runtime.artifact import ArtifactError
     from runtime.engine import LLM
@@ -233,7 +237,7 @@ def generate(artifact: str, prompt: str, max_tokens: int, temperature: float, to
         prompt = prompt.replace("\\n", "\n").replace("\\t", "\t")
     folder = _resolve(artifact, require_signature, insecure)
     try:
-        llm = LLM(folder, device=device, graphs=cuda_graphs)
+        llm = LLM(folder, device=device, graphs=cuda_graphs, retune=retune)
         params = _sampling(max_tokens, temperature, top_k, top_p, seed, stop)
         click.echo(prompt, nl=False)
         t = time.perf_counter()
@@ -355,12 +359,16 @@ def eval_cmd(artifact: Path, data: Path, reference: Path | None, chunk_len: int,
 @click.option("--draft-artifact", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
               help="The draft model of speculative method draft (same tokenizer). Default: the one the artifact's "
                    "manifest pairs (recipe `speculative:` section), loaded when --speculative is draft.")
+@click.option("--retune", is_flag=True,
+              help="Re-measure the CPU code path of the package's C ops (avx512 / avx2 / baseline) on this machine "
+                   "before loading and use the fastest (ONNX Runtime CPU artifacts; the attention variant is part "
+                   "of the graph and stays).")
 @_reference_options
 def serve(artifact: str, host: str, port: int, api_key: str | None, served_model_name: str | None,
           max_waiting: int, request_timeout: float, max_body_bytes: int, shutdown_grace: float,
           num_kv_blocks: int | None, max_num_seqs: int | None, max_num_batched_tokens: int | None,
           max_model_len: int | None, threads: int | None, device: str | None, cuda_graphs: str | None,
-          require_signature: Path | None, insecure: bool, **limits: object) -> None:
+          retune: bool, require_signature: Path | None, insecure: bool, **limits: object) -> None:
     """Serve ARTIFACT over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /metrics).
 
     ARTIFACT is a folder or a reference (oci://HOST/REPO:TAG, file:///DIR/REPO:TAG), pulled (or taken from
@@ -376,7 +384,7 @@ def serve(artifact: str, host: str, port: int, api_key: str | None, served_model
                               shutdown_grace=shutdown_grace, num_kv_blocks=num_kv_blocks,
                               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                               max_model_len=max_model_len, threads=threads, device=device,
-                              cuda_graphs=cuda_graphs, **limits)  # type: ignore[arg-type]
+                              cuda_graphs=cuda_graphs, retune=retune, **limits)  # type: ignore[arg-type]
         config.validate()
     except ValueError as e:
         _fail(str(e))

@@ -156,9 +156,10 @@ class Tokenizer:
 
 
 def _load_backend(artifact: Artifact, num_blocks: int | None, threads: int | None, device: str | None = None,
-                  graphs: str | None = None) -> Any:
+                  graphs: str | None = None, cpu_isa: str | None = None) -> Any:
     """The artifact's backend on its target device, or on `device` when given (e.g. 'cpu' to run a CUDA
-    torch artifact on a machine without a GPU); `graphs` is the torch backend's CUDA-graph mode."""
+    torch artifact on a machine without a GPU); `graphs` is the torch backend's CUDA-graph mode; `cpu_isa`
+    the code path of the package's C ops (ONNX Runtime CPU; None: OPTIMIZE_CPU_ISA, else the CPU's widest)."""
     cfg = artifact.runtime_config
     backend = cfg.get("backend")
     device = device or cfg.get("device", "cpu")
@@ -170,7 +171,8 @@ def _load_backend(artifact: Artifact, num_blocks: int | None, threads: int | Non
                                           graphs=graphs)
         from runtime.backends.onnxruntime import OnnxRuntimeBackend
 
-        return OnnxRuntimeBackend(artifact.model_path, cfg, num_blocks=num_blocks, intra_op_threads=threads)
+        return OnnxRuntimeBackend(artifact.model_path, cfg, num_blocks=num_blocks, intra_op_threads=threads,
+                                  cpu_isa=cpu_isa)
     if backend == "torch":
         from runtime.backends.pytorch import TorchBackend
 
@@ -206,6 +208,7 @@ class LLMEngine:
         overlap_masks: bool | None = None,
         speculative: SpeculativeConfig | None = None,
         draft: str | Path | Artifact | bool | None = None,
+        retune: bool = False,
     ) -> None:
         """`overlap_masks`: compute structured output's token masks on a worker thread during the forward
         (default; OPTIMIZE_MASK_OVERLAP=0 turns it off) rather than before it on the engine thread.
@@ -213,7 +216,9 @@ class LLMEngine:
         plain decoding unless a request opts in.
         `draft`: the draft model of method "draft" (runtime/draft.py): an artifact folder (or Artifact),
         True for the one the target's manifest pairs with it, False for none; None (default): the paired
-        one when `speculative` is a "draft" config, else none."""
+        one when `speculative` is a "draft" config, else none.
+        `retune`: re-measure the C ops' code path on this machine before loading (runtime/kernels/cpu_check.py;
+        the attention variant itself is part of the graph and stays)."""
         if speculative is not None:
             speculative.validate()
         self.speculative = speculative
@@ -222,7 +227,8 @@ class LLMEngine:
         self.artifact = artifact if isinstance(artifact, Artifact) else Artifact.open(artifact, verify=verify)
         cfg = self.artifact.check_runtime(num_blocks=num_blocks, max_model_len=max_model_len, device=device)
         try:
-            self.backend = _load_backend(self.artifact, num_blocks, threads, device, graphs)
+            cpu_isa = self._retune(threads, device) if retune else None
+            self.backend = _load_backend(self.artifact, num_blocks, threads, device, graphs, cpu_isa)
         except (ArtifactError, RuntimeError, ValueError):
             raise
         except MemoryError as exc:
@@ -230,6 +236,7 @@ class LLMEngine:
                                 f"({exc or 'MemoryError'})") from exc
         except Exception as exc:  # ONNX Runtime's own exception types for a corrupt graph
             raise ArtifactError(f"{self.artifact.model_path}: the model could not be loaded: {exc}") from exc
+        self._report_kernel_paths()
         sched = cfg["scheduler"]
         self.scheduler_config = SchedulerConfig(
             block_size=self.backend.block_size,
@@ -266,6 +273,37 @@ class LLMEngine:
             raise ValueError("speculative method 'draft' needs a draft model: pass `draft` (an artifact folder) "
                              "or build the target from a recipe with a `speculative:` section")
         log.info("engine ready: %s %s, core=%s", self.artifact.name, self.artifact.version, CORE_IMPL)
+
+    def _retune(self, threads: int | None, device: str | None) -> str | None:
+        """--retune: the fastest code path of the C ops for this artifact here (None: nothing to choose)."""
+        from runtime.kernels.cpu_check import retune
+
+        cfg = self.artifact.runtime_config
+        uses_ops = cfg["graph"].get("kv_write") == "graph" or "optimize" in cfg["graph"].get("custom_op_domains", [])
+        if cfg.get("backend") != "onnxruntime" or (device or cfg.get("device", "cpu")) != "cpu" or not uses_ops:
+            log.info("--retune: nothing to re-measure (the package's CPU ops are not in this artifact's graph on "
+                     "%s/%s)", cfg.get("backend"), device or cfg.get("device", "cpu"))
+            return None
+        best, scores = retune(self.artifact.model_path, cfg, threads)
+        log.info("--retune: the attention variant is part of the graph and stays; CPU code path re-measured "
+                 "(ms per request: prefill + 128 decode steps): %s -> %s",
+                 ", ".join(f"{p} {s:.1f}" for p, s in scores.items()), best)
+        return best
+
+    def _report_kernel_paths(self) -> None:
+        """Log where this CPU's code path differs from the one the build's autotune measured on, and how
+        bfloat16 products run here."""
+        from runtime.kernels.cpu_check import bf16_line, isa_warning
+
+        paths = getattr(self.backend, "kernel_paths", None)
+        if not paths:
+            return
+        warning = isa_warning(self.artifact.manifest, paths)
+        if warning:
+            log.warning("%s", warning)
+        if self.artifact.manifest.get("target", {}).get("matmul") == "bfloat16":
+            level, line = bf16_line(paths)
+            log.log(level, "%s", line)
 
     def _load_draft(self, draft: str | Path | Artifact | bool | None, threads: int | None,
                     device: str | None) -> DraftModel | None:

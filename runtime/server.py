@@ -156,6 +156,7 @@ class ServerConfig:
     device: str | None = None  # None: the artifact's target device
     cuda_graphs: str | None = None  # auto | padded | off (GPU backends); None: auto
     warmup: bool = True
+    retune: bool = False  # re-measure the C ops' CPU code path at load (runtime/kernels/cpu_check.py)
     # Slow and hostile clients.
     header_timeout: float = 10.0  # seconds from connection (or the previous response) to a request's full headers
     body_timeout: float = 30.0  # seconds from the headers to the end of the body
@@ -772,7 +773,7 @@ class Server:
                            max_num_batched_tokens=c.max_num_batched_tokens, max_model_len=c.max_model_len,
                            threads=c.threads, device=c.device, graphs=c.cuda_graphs,
                            speculative=SpeculativeConfig.parse(c.speculative) if c.speculative else None,
-                           draft=c.draft_artifact)
+                           draft=c.draft_artifact, retune=c.retune)
         self.codec = TextCodec(artifact.tokenizer_dir)
         self.chat = ChatTemplate(engine.tokenizer.config)
         self.tokenizer_config = dict(engine.tokenizer.config)

@@ -204,6 +204,11 @@ def test_autotune_records_timings(tmp_path: Path) -> None:
         assert r["valid"] and set(r["median_ms"]) == {s["name"] for s in tune["shapes"]}
         assert all(t > 0 for t in r["median_ms"].values())
     assert tune["fastest"] == stats["choice"]
+    # the CPU code path the candidates ran on, for the runtime's warning on another CPU
+    from cpu_paths import expected_default
+
+    assert stats["measured_on"]["isa"] == expected_default() == tune["cpu_paths"]["isa"]
+    assert stats["measured_on"]["ops"]["PagedAttention"] == expected_default()
 
 
 @pytest.mark.slow

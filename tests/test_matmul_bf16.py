@@ -7,11 +7,13 @@ tests/test_matmul_bf16_kernel.py.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
 import pytest
 from conftest import DEMO_MODEL, write_recipe
+from cpu_paths import bf16_dot, expected_default
 from test_parity import DEMO_PROMPTS, chunked_logits, hf_logits, hf_model
 
 from compiler.build import build, plan
@@ -70,3 +72,22 @@ def test_demo_logits_and_greedy_text(bf16_demo: Path, demo_artifact: Path) -> No
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     texts = [o.text for o in LLM(bf16_demo).generate(DEMO_PROMPTS[:4], greedy)]
     assert texts == [o.text for o in LLM(demo_artifact).generate(DEMO_PROMPTS[:4], greedy)]
+
+
+def test_loading_says_in_one_line_how_bf16_products_run_on_this_cpu(bf16_demo: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """Without AVX-512 BF16 the products widen bf16 to float32 in registers, which can be slower than float32
+    for prompt processing: a warning at load says so (bench/isa.py measures it)."""
+    monkeypatch.delenv("OPTIMIZE_CPU_ISA", raising=False)
+    monkeypatch.delenv("OPTIMIZE_BF16_DOT", raising=False)
+    with caplog.at_level(logging.INFO):
+        LLMEngine(bf16_demo)
+    lines = [r for r in caplog.records if r.getMessage().startswith("bfloat16 products on")]
+    assert len(lines) == 1, [r.getMessage() for r in lines]
+    if bf16_dot():
+        assert lines[0].levelno == logging.INFO and "vdpbf16ps" in lines[0].getMessage()
+    else:
+        assert lines[0].levelno == logging.WARNING
+        assert f"on the {expected_default()} path (this CPU has no AVX-512 BF16)" in lines[0].getMessage()
+        assert "prompt processing can be slower than float32" in lines[0].getMessage()

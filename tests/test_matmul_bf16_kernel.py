@@ -3,9 +3,11 @@
 
 The op is checked against bf16(a) @ bf16(w) computed in float64, on hypothesis-drawn shapes (odd K and
 N, N not a multiple of the 16-column panels, rank-3 inputs, empty inputs), inline and through the
-thread pool, on both of its paths: AVX-512 BF16's vdpbf16ps where this CPU has it and the float32-FMA
-path (OPTIMIZE_BF16_DOT=0). scripts/memcheck.sh runs this file under AddressSanitizer. The recipe
-option and the demo model built with it: tests/test_matmul_bf16.py.
+thread pool, on each of its code paths this CPU runs: AVX-512 BF16's vdpbf16ps (avx512_bf16), and the
+paths that widen the bf16 pairs to float32 in registers: avx512 (OPTIMIZE_BF16_DOT=0), avx2, baseline
+(OPTIMIZE_CPU_ISA); a path the CPU lacks is skipped naming the missing features, and the report of the
+library (`kernel_paths`) must name the path the session ran. scripts/memcheck.sh runs this file under
+AddressSanitizer. The recipe option and the demo model built with it: tests/test_matmul_bf16.py.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
-from hypothesis import given, settings
+from cpu_paths import PATHS, bf16_dot, host_flags, use_path
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper
 
@@ -72,38 +75,51 @@ def test_packing_round_trips_the_rounded_weights() -> None:
     assert not packed[-1, :, 2:].any() and not packed[:, -1, :, 1].any()  # N and K padding is zero
 
 
-@settings(max_examples=60, deadline=None)
+BF16_PATHS = ("avx512_bf16", *PATHS)
+
+
+@pytest.fixture(params=BF16_PATHS)
+def bf16_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """MatMulBf16's code paths in turn (avx512_bf16: vdpbf16ps; avx512 without it: OPTIMIZE_BF16_DOT=0),
+    skipped with the missing features where this CPU lacks one."""
+    path = request.param
+    if path == "avx512_bf16" and "avx512_bf16" not in host_flags():
+        pytest.skip("the avx512_bf16 path: this CPU lacks avx512_bf16")
+    use_path("avx512" if path == "avx512_bf16" else path, monkeypatch)
+    monkeypatch.setenv("OPTIMIZE_BF16_DOT", "1" if path == "avx512_bf16" else "0")
+    return path
+
+
+@pytest.mark.usefixtures("bf16_path")
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(m=st.integers(0, 150), k=st.integers(1, 300), n=st.integers(1, 100), rank=st.sampled_from([2, 3]),
-       threads=st.sampled_from([1, 2]), dot=st.sampled_from(["1", "0"]), seed=st.integers(0, 2**31 - 1))
-def test_kernel_matches_the_bf16_product(m: int, k: int, n: int, rank: int, threads: int, dot: str,
-                                         seed: int) -> None:
+       threads=st.sampled_from([1, 2]), seed=st.integers(0, 2**31 - 1))
+def test_kernel_matches_the_bf16_product(m: int, k: int, n: int, rank: int, threads: int, seed: int) -> None:
     rng = np.random.default_rng(seed)
     a = rng.standard_normal((m, k)).astype(np.float32)
     if rank == 3:
         a = a.reshape(1, m, k)
     w = rng.standard_normal((k, n)).astype(np.float32)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OPTIMIZE_BF16_DOT", dot)  # read when the session creates its kernel
-        check(a, w, run_op(a, w, threads))
+    check(a, w, run_op(a, w, threads))
 
 
-@pytest.mark.parametrize("dot", ["1", "0"])
-def test_model_sized_products_through_the_thread_pool(monkeypatch: pytest.MonkeyPatch, dot: str) -> None:
-    monkeypatch.setenv("OPTIMIZE_BF16_DOT", dot)
+def test_model_sized_products_through_the_thread_pool(bf16_path: str) -> None:
     rng = np.random.default_rng(2)
     w = rng.standard_normal((768, 2304)).astype(np.float32)
     for m in (1, 16, 203):
         a = rng.standard_normal((m, 768)).astype(np.float32)
         check(a, w, run_op(a, w, threads=2))
+    assert pk.kernel_paths()["ops"]["MatMulBf16"] == bf16_path  # the path the sessions above ran
 
 
-def test_both_paths_agree() -> None:
+def test_the_default_path_uses_avx512_bf16_exactly_where_the_cpu_has_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OPTIMIZE_CPU_ISA", raising=False)
+    monkeypatch.delenv("OPTIMIZE_BF16_DOT", raising=False)
     rng = np.random.default_rng(3)
     a, w = rng.standard_normal((40, 515)).astype(np.float32), rng.standard_normal((515, 70)).astype(np.float32)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OPTIMIZE_BF16_DOT", "0")
-        fma = run_op(a, w)
-    np.testing.assert_allclose(run_op(a, w), fma, rtol=1e-4, atol=1e-4)
+    check(a, w, run_op(a, w))
+    want = "avx512_bf16" if bf16_dot() else pk.kernel_paths()["isa"]
+    assert pk.kernel_paths()["ops"]["MatMulBf16"] == want
 
 
 def test_a_weight_packed_for_another_shape_is_refused() -> None:

@@ -7,7 +7,9 @@ are not multiples of the kernel's 16-lane vectors; sliding windows shorter and l
 block tables in random order with unused (-1) tails. Each step checks the output against the reference
 and that the step's K/V landed in the pools at exactly the slots the scheduler would assign, with every
 other pool entry untouched. The same cases run with the work split over ONNX Runtime's thread pool
-(OPTIMIZE_PAGED_CPU_INLINE_WORK=0) and inline. Malformed steps are refused before anything is written.
+(OPTIMIZE_PAGED_CPU_INLINE_WORK=0) and inline, and on each CPU code path of the ops (avx512, avx2,
+baseline: OPTIMIZE_CPU_ISA; a path this CPU lacks is skipped naming the missing features, tests/cpu_paths.py).
+Malformed steps are refused before anything is written.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
+from cpu_paths import cpu_path  # noqa: F401 - the fixture each code path runs under
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper
@@ -123,8 +126,9 @@ def steps(draw: st.DrawFn) -> dict:
                 pasts=pasts, news=news, window=window, scale=scale, seed=seed)
 
 
+@pytest.mark.usefixtures("cpu_path")
 @pytest.mark.parametrize("threads", [1, 2], ids=["inline", "thread_pool"])
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=steps())
 def test_kernel_matches_reference_and_writes_the_pools(case: dict, threads: int,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
@@ -138,6 +142,7 @@ def test_kernel_matches_reference_and_writes_the_pools(case: dict, threads: int,
                float(scale), threads)
 
 
+@pytest.mark.usefixtures("cpu_path")
 def test_long_prefill_and_large_decode_batch_through_the_thread_pool(monkeypatch: pytest.MonkeyPatch) -> None:
     """Shapes of a real server step: a 300-token prefill beside 24 decode tokens at up to 500 past,
     head_dim 64, GQA 12/4, split over two threads by the default threshold."""
@@ -248,8 +253,9 @@ def rope_steps(draw: st.DrawFn) -> dict:
     return case
 
 
+@pytest.mark.usefixtures("cpu_path")
 @pytest.mark.parametrize("threads", [1, 2], ids=["inline", "thread_pool"])
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=rope_steps())
 def test_rotary_kernel_matches_rotation_then_reference(case: dict, threads: int,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
@@ -335,8 +341,9 @@ def quantize(x: np.ndarray, scales: np.ndarray, kv_heads: int) -> np.ndarray:
     return np.clip(np.rint(h / scales[:, None]), -128, 127).astype(np.int8).reshape(x.shape)
 
 
+@pytest.mark.usefixtures("cpu_path")
 @pytest.mark.parametrize("threads", [1, 2], ids=["inline", "thread_pool"])
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=rope_steps(), rope=st.booleans())
 def test_int8_pools_attend_to_the_dequantized_past_and_store_codes(case: dict, rope: bool, threads: int,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
@@ -436,7 +443,8 @@ def quantize_rows_model() -> bytes:
     return model.SerializeToString()
 
 
-@settings(max_examples=60, deadline=None)
+@pytest.mark.usefixtures("cpu_path")
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(rows=st.integers(0, 300), cols=st.sampled_from([1, 7, 16, 33, 768, 3000]),
        magnitude=st.sampled_from([1e-30, 1e-3, 1.0, 1e4]), zero_rows=st.booleans(), seed=st.integers(0, 2**31 - 1))
 def test_quantize_rows_equals_the_six_nodes_it_replaces(rows: int, cols: int, magnitude: float, zero_rows: bool,
@@ -475,7 +483,8 @@ def silu_mul_models() -> tuple[bytes, bytes]:
             helper.make_model(three, opset_imports=opsets).SerializeToString())
 
 
-@settings(max_examples=60, deadline=None)
+@pytest.mark.usefixtures("cpu_path")
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(rows=st.integers(0, 300), half=st.sampled_from([1, 5, 16, 37, 2048]),
        magnitude=st.sampled_from([1e-3, 1.0, 30.0, 1e4]), seed=st.integers(0, 2**31 - 1))
 def test_silu_mul_against_float64_and_the_three_nodes(rows: int, half: int, magnitude: float, seed: int) -> None:

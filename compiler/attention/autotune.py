@@ -16,7 +16,9 @@ over the decode batch sizes: prefill_ms + 128 * mean_b(decode_ms(b) / b). (A pla
 step times would let the one 512-token prefill outweigh every decode shape, though a server runs
 far more decode steps than prefills.) Before timing, every candidate runs one mixed batch (prefill chunks with and
 without past, decode tokens, blocks out of order) and its logits are compared with the first
-candidate's: a candidate more than `tolerance` off is invalid (the reason is recorded).
+candidate's: a candidate more than `tolerance` off is invalid (the reason is recorded). The result names
+the CPU code path the package's C ops ran on (`cpu_paths`: isa and per-op paths, from the library's
+`optimize_kernel_paths()`), which select_attention records in the manifest as `measured_on`.
 """
 
 from __future__ import annotations
@@ -179,8 +181,16 @@ def autotune(cfg: Any, block_size: int, max_model_len: int, variants: list[str],
             results[v]["runs"] = len(runs[v])
             results[v]["score_ms"] = round(score(times[v], specs), 4)
         backends.clear()
+    cpu_paths = None
+    try:  # the code path the package's C ops ran on (the paged_cpu candidate's kernel), when it is built
+        from runtime.kernels.paged_attention_cpu import KernelLibraryError, kernel_paths
+
+        cpu_paths = kernel_paths()
+    except (KernelLibraryError, OSError):
+        pass
     timed = {v: r["score_ms"] for v, r in results.items() if r.get("valid")}
     fastest = min(timed, key=lambda v: (timed[v], variants.index(v))) if timed else None
     return {"shapes": specs, "score": f"ms per request: prefill + {DECODE_TOKENS} x mean over decode batch sizes of "
                                       "(step ms / batch)", "results": results,
-            "fastest": fastest, "tuning_model": {"num_layers": 1, "vocab_size": tcfg.vocab_size}}
+            "fastest": fastest, "tuning_model": {"num_layers": 1, "vocab_size": tcfg.vocab_size},
+            "cpu_paths": cpu_paths}

@@ -15,7 +15,9 @@ kind (MHA/GQA/MQA, sliding window, q/k norm) and the target; among the valid one
 
 The choice goes to ctx.artifacts["attention"] (read by capture and lower_onnx) and the kernel facts
 to ctx.artifacts["attention_kernel"]; the stats (manifest) hold the attention kind, every candidate
-with valid/invalid and why, the choice and the reason; timings go to ctx.build_info["attention_autotune"].
+with valid/invalid and why, the choice and the reason, and, when the candidates were timed, the CPU code
+path of the package's C ops they ran on (`measured_on`: isa, per-op paths, CPU features); timings go to
+ctx.build_info["attention_autotune"].
 """
 
 from __future__ import annotations
@@ -104,6 +106,9 @@ class SelectAttentionPass(Pass):
                              + "; ".join(f"{c.variant}: {c.reason}" for c in cands))
         elif stats["autotune"]:
             choice, why = self._autotune(ctx, valid, cands)
+            measured = ctx.build_info["attention_autotune"].get("cpu_paths")
+            if measured:  # the runtime warns when it serves on another code path (runtime/kernels/cpu_check.py)
+                stats["measured_on"] = {k: measured[k] for k in ("isa", "ops", "cpu_features")}
         else:
             order = RULES.get((t.backend, t.device), ("decomposed",))
             absent = [v for v in order if v in valid and v in RULE_NEEDS

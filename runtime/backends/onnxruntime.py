@@ -64,6 +64,7 @@ class OnnxRuntimeBackend:
         num_blocks: int | None = None,
         providers: list[str] | None = None,
         intra_op_threads: int | None = None,
+        cpu_isa: str | None = None,
     ) -> None:
         try:
             import onnxruntime as ort
@@ -92,12 +93,14 @@ class OnnxRuntimeBackend:
         if not so.enable_cpu_mem_arena and "CPUExecutionProvider" in (providers or ["CPUExecutionProvider"]):
             fix_mmap_threshold()
         self.kv_in_graph = config["graph"].get("kv_write", "runtime") == "graph"
+        self.kernel_paths: dict[str, Any] | None = None  # the package's C ops and their code paths, when used
         # the package's C library serves the `optimize` domain (attention, QuantizeRows, MatMulBf16); an
         # artifact built before runtime.json listed the domains has it exactly when its kernel writes the K/V
         if self.kv_in_graph or "optimize" in config["graph"].get("custom_op_domains", []):
             from runtime.kernels.paged_attention_cpu import register
 
-            register(so)
+            # the ops' code path: `cpu_isa` (avx512 / avx2 / baseline), else OPTIMIZE_CPU_ISA, else the CPU's widest
+            self.kernel_paths = register(so, isa=cpu_isa)
         providers = providers or ["CPUExecutionProvider"]
         available = ort.get_available_providers()
         missing = [p for p in providers if p not in available]

@@ -7,15 +7,26 @@ such a node (domain `optimize`) loads only in a session whose options registered
 `register(so)` does that, after checking that the installed ONNX Runtime is new enough for the C API
 version the library declares (the library checks the same again when ONNX Runtime calls it).
 
+The library runs each op on one of its per-CPU code paths (avx512: 16 float lanes, AVX-512; avx2: 8 lanes,
+AVX2 + FMA; baseline: 4 lanes, SSE2), the widest the CPU has unless `OPTIMIZE_CPU_ISA=avx512|avx2|baseline`
+pins one (a pinned path the CPU lacks is an error naming the missing features, never a silent downgrade).
+`register` makes that choice before each registration (`isa` overrides the environment) and logs it once;
+`kernel_paths()` returns it (op -> path), read from the library's `optimize_kernel_paths()`.
+
 Imports neither torch nor onnx (the runtime's deploy image has neither).
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import importlib.util
+import json
+import logging
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 DOMAIN = "optimize"
 OP_TYPE = "PagedAttention"
@@ -54,16 +65,65 @@ def check_onnxruntime_version(version: str) -> None:
             f"{ORT_API_VERSION}); this is onnxruntime {version}")
 
 
-def register(so: Any) -> None:
-    """Register the library with ONNX Runtime SessionOptions `so` (a clear error when it cannot)."""
+ISA_PATHS = ("avx512", "avx2", "baseline")  # widest first (x86-64; elsewhere baseline only)
+_logged: set[str] = set()
+
+
+@functools.cache
+def _library() -> ctypes.CDLL:
+    """The library as ctypes loads it: the same loaded object ONNX Runtime registers (one dlopen per path)."""
+    lib = ctypes.CDLL(str(library_path()))
+    lib.optimize_select_kernel_paths.argtypes = [ctypes.c_char_p]
+    lib.optimize_select_kernel_paths.restype = ctypes.c_int
+    lib.optimize_kernel_paths.restype = ctypes.c_char_p
+    lib.optimize_kernel_error.restype = ctypes.c_char_p
+    return lib
+
+
+def select_paths(isa: str | None = None) -> dict[str, Any]:
+    """Choose the code path of every op (`isa`, else OPTIMIZE_CPU_ISA, else the CPU's widest) and return the
+    choice as `kernel_paths()` does; KernelLibraryError when the path is unknown or this CPU cannot run it.
+    Sessions created afterwards take it; a session keeps the path it was created with."""
+    lib = _library()
+    if lib.optimize_select_kernel_paths(isa.encode() if isa else None) != 0:
+        raise KernelLibraryError(f"CPU kernels: {lib.optimize_kernel_error().decode()}")
+    return kernel_paths()
+
+
+def kernel_paths() -> dict[str, Any]:
+    """The current choice: {"isa", "source" (cpu | OPTIMIZE_CPU_ISA | call), "available" (the paths this CPU
+    runs, widest first), "cpu_features", "ops": {op type: path}} ("avx512_bf16" for MatMulBf16 on vdpbf16ps)."""
+    report = json.loads(_library().optimize_kernel_paths().decode())
+    if "error" in report:
+        raise KernelLibraryError(f"CPU kernels: {report['error']}")
+    return report
+
+
+def describe(paths: dict[str, Any]) -> str:
+    """One line: the ISA, why, and each op's path."""
+    ops = ", ".join(f"{op} {path}" for op, path in paths["ops"].items())
+    why = {"cpu": "the widest this CPU runs", "OPTIMIZE_CPU_ISA": "pinned by OPTIMIZE_CPU_ISA"}.get(
+        paths["source"], "chosen by the caller")
+    return f"CPU kernel path {paths['isa']} ({why}; this CPU runs {', '.join(paths['available'])}): {ops}"
+
+
+def register(so: Any, isa: str | None = None) -> dict[str, Any]:
+    """Register the library with ONNX Runtime SessionOptions `so` (a clear error when it cannot), its ops on
+    the code paths `select_paths(isa)` chooses; returns that choice (logged once per distinct choice)."""
     import onnxruntime as ort
 
     check_onnxruntime_version(ort.__version__)
     path = library_path()
+    paths = select_paths(isa)
+    line = describe(paths)
+    if line not in _logged:
+        _logged.add(line)
+        log.info("%s", line)
     try:
         so.register_custom_ops_library(str(path))
     except Exception as e:  # ONNX Runtime raises its own exception types (Fail, RuntimeException)
         raise KernelLibraryError(f"ONNX Runtime {ort.__version__} could not register {path.name}: {e}") from e
+    return paths
 
 
 def uses_kernel(model: Any) -> bool:
@@ -71,5 +131,5 @@ def uses_kernel(model: Any) -> bool:
     return any(o.domain == DOMAIN for o in model.opset_import)
 
 
-__all__ = ["DOMAIN", "OP_TYPE", "ROPE_OP_TYPE", "KernelLibraryError", "check_onnxruntime_version", "library_path", "register",
-           "uses_kernel"]
+__all__ = ["DOMAIN", "ISA_PATHS", "OP_TYPE", "ROPE_OP_TYPE", "KernelLibraryError", "check_onnxruntime_version",
+           "describe", "kernel_paths", "library_path", "register", "select_paths", "uses_kernel"]

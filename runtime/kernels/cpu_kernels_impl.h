@@ -1,0 +1,674 @@
+/* One code path of the library's hot loops (cpu_kernels.h), written for VL float lanes per register.
+ *
+ * Included once by each isa_*.c file, which defines VL (16, 8 or 4), ISA_NAME and KERNELS_TABLE and sets
+ * the instruction set with #pragma GCC target before including it. The arithmetic is GCC/Clang vector
+ * extensions on vectors of exactly one register, so each path's loops are laid out for its registers
+ * (a 16-lane vector is never split into two AVX2 or four SSE registers); the blocking that depends on
+ * the register count (accumulators per tile) is chosen per VL below. Loads and stores go through memcpy
+ * (unaligned, no aliasing UB). gnu11 lets GCC contract a * b + c into one FMA where the target has it.
+ */
+#ifndef VL
+#error "define VL, ISA_NAME and KERNELS_TABLE before including cpu_kernels_impl.h"
+#endif
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_kernels.h"
+
+typedef float vf __attribute__((vector_size(4 * VL)));
+typedef int32_t vi __attribute__((vector_size(4 * VL)));
+typedef uint32_t vu32 __attribute__((vector_size(4 * VL)));
+typedef uint16_t vu16 __attribute__((vector_size(2 * VL)));
+typedef uint8_t vu8 __attribute__((vector_size(VL)));
+typedef int8_t vi8 __attribute__((vector_size(VL)));
+
+static inline vf vload(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
+static inline void vstore(float *p, vf v) { memcpy(p, &v, sizeof v); }
+static inline vf vsplat(float x) { return (vf){0} + x; }
+static inline vf vselect(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
+static inline vf vmax(vf a, vf b) { return vselect(a > b, a, b); }
+static inline vf vadd(vf a, vf b) { return a + b; }
+
+#if defined(__clang__)
+#define SHUF(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
+#define SHUF2(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUF(v, ...) __builtin_shuffle(v, (vi){__VA_ARGS__})
+#define SHUF2(a, b, ...) __builtin_shuffle(a, b, (vi){__VA_ARGS__})
+#endif
+
+/* Lane permutations per width: IOTA (0, 1, ...), XORh (lane i <- lane i ^ h) for the horizontal reductions,
+ * and for scores(): the transposing reduction tree's masks (level h: lanes of block parity 0 from the first
+ * vector, 1 from the second; A keeps a block, B takes its neighbour) and the bit-reversed order that the
+ * tree's own lane order undoes. */
+#if VL == 16
+#define IOTA 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15
+#define HREDUCE(OP, v)                                                                  \
+    v = OP(v, SHUF(v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));          \
+    v = OP(v, SHUF(v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));          \
+    v = OP(v, SHUF(v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));          \
+    v = OP(v, SHUF(v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14))
+#define BITREV 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15
+#define TREE(a)                                                                                               \
+    TREE_LEVEL(a, 8, (0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23),                                \
+               (8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31));                               \
+    TREE_LEVEL(a, 4, (0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27),                              \
+               (4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31));                                 \
+    TREE_LEVEL(a, 2, (0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29),                              \
+               (2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31));                                 \
+    TREE_LEVEL(a, 1, (0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30),                             \
+               (1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31))
+#define UR_BLOCKS 4 /* update_rows: vectors of the head dimension per pass (4 rows x 4 = 16 accumulators) */
+#define LANE_DBLK 8 /* attend_lanes: head-dimension entries per value pass */
+#define BF_NPAN 2   /* MatMulBf16 tiles: panels (16 columns each) per tile */
+#define BF_MR 8     /* MatMulBf16 tiles: rows per register tile (8 x 2 accumulators) */
+#define BF_UNROLL 2 /* MatMulBf16 single-row tile: K pairs per step (independent accumulators) */
+#elif VL == 8
+#define IOTA 0, 1, 2, 3, 4, 5, 6, 7
+#define HREDUCE(OP, v)                                  \
+    v = OP(v, SHUF(v, 4, 5, 6, 7, 0, 1, 2, 3));         \
+    v = OP(v, SHUF(v, 2, 3, 0, 1, 6, 7, 4, 5));         \
+    v = OP(v, SHUF(v, 1, 0, 3, 2, 5, 4, 7, 6))
+#define BITREV 0, 4, 2, 6, 1, 5, 3, 7
+#define TREE(a)                                                                                 \
+    TREE_LEVEL(a, 4, (0, 1, 2, 3, 8, 9, 10, 11), (4, 5, 6, 7, 12, 13, 14, 15));                 \
+    TREE_LEVEL(a, 2, (0, 1, 8, 9, 4, 5, 12, 13), (2, 3, 10, 11, 6, 7, 14, 15));                 \
+    TREE_LEVEL(a, 1, (0, 8, 2, 10, 4, 12, 6, 14), (1, 9, 3, 11, 5, 13, 7, 15))
+#define UR_BLOCKS 2 /* 4 rows x 2 = 8 accumulators + 2 value vectors of 16 ymm registers */
+#define LANE_DBLK 4
+#define BF_NPAN 1   /* one panel = 2 vectors per row */
+#define BF_MR 4     /* 4 rows x 2 = 8 accumulators, 4 widened weight vectors, 2 broadcasts */
+#define BF_UNROLL 2
+#elif VL == 4
+#define IOTA 0, 1, 2, 3
+#define HREDUCE(OP, v)                          \
+    v = OP(v, SHUF(v, 2, 3, 0, 1));             \
+    v = OP(v, SHUF(v, 1, 0, 3, 2))
+#define BITREV 0, 2, 1, 3
+#define TREE(a)                                                         \
+    TREE_LEVEL(a, 2, (0, 1, 4, 5), (2, 3, 6, 7));                       \
+    TREE_LEVEL(a, 1, (0, 4, 2, 6), (1, 5, 3, 7))
+#define UR_BLOCKS 2
+#define LANE_DBLK 4
+#define BF_NPAN 1   /* one panel = 4 vectors per row */
+#define BF_MR 2
+#define BF_UNROLL 1
+#else
+#error "VL must be 16, 8 or 4"
+#endif
+
+#define UNPAREN(...) __VA_ARGS__
+/* one level of the tree: a[i] = the pairwise sums of a[2i] and a[2i + 1] (in place, ascending) */
+#define TREE_LEVEL(a, n, MA, MB)                                                                    \
+    for (int i_ = 0; i_ < (n); i_++)                                                                \
+    a[i_] = SHUF2(a[2 * i_], a[2 * i_ + 1], UNPAREN MA) + SHUF2(a[2 * i_], a[2 * i_ + 1], UNPAREN MB)
+
+static inline float hsum(vf v) {
+    HREDUCE(vadd, v);
+    return v[0];
+}
+
+static inline float hmax(vf v) {
+    HREDUCE(vmax, v);
+    return v[0];
+}
+
+/* 2^x for x <= 0 (x = -inf and x <= -126 give 0): Cephes exp2f's polynomial on [-0.5, 0.5] (~2 ulp). */
+static inline vf vexp2_neg(vf x) {
+    const vi tiny = x <= -126.0f;
+    x = vmax(x, vsplat(-126.0f));
+    const vf xr = x + 0.5f;
+    vi n = __builtin_convertvector(xr, vi);          /* toward zero */
+    n = n + (__builtin_convertvector(n, vf) > xr);   /* floor: -1 where truncation went up */
+    const vf f = x - __builtin_convertvector(n, vf); /* [-0.5, 0.5] */
+    vf p = vsplat(1.535336188319500e-4f);
+    p = p * f + 1.339887440266574e-3f;
+    p = p * f + 9.618437357674640e-3f;
+    p = p * f + 5.550332471162809e-2f;
+    p = p * f + 2.402264791363012e-1f;
+    p = p * f + 6.931472028550421e-1f;
+    p = p * f + 1.0f;
+    const vf r = p * (vf)((n + 127) << 23);
+    return (vf)((vi)r & ~tiny);
+}
+
+static inline float exp2_neg(float x) { return vexp2_neg(vsplat(x))[0]; }
+
+/* ==== attention ========================================================================================== */
+
+/* The VL dot products q . krow[jj] (jj < VL) as one vector, lane jj = key jj: VL per-key accumulators over
+ * whole vectors of the head dimension, then a transposing reduction tree (log2(VL) levels of shuffle + add;
+ * the accumulators are filled in bit-reversed order, which the tree's own lane order undoes), then the
+ * dimensions past the last whole vector. */
+static inline vf scores(const float *q, const float *const *krow, int64_t D) {
+    static const int bitrev[VL] = {BITREV};
+    vf a[VL];
+    for (int64_t i = 0; i < VL; i++) a[i] = (vf){0};
+    const int64_t DV = D / VL * VL;
+    for (int64_t d = 0; d < DV; d += VL) {
+        const vf qv = vload(q + d);
+        for (int64_t jj = 0; jj < VL; jj++) a[bitrev[jj]] += qv * vload(krow[jj] + d);
+    }
+    TREE(a);
+    vf out = a[0];
+    if (DV < D) {
+        float tail[VL];
+        for (int64_t jj = 0; jj < VL; jj++) {
+            float t = 0.0f;
+            for (int64_t d = DV; d < D; d++) t += q[d] * krow[jj][d];
+            tail[jj] = t;
+        }
+        out += vload(tail);
+    }
+    return out;
+}
+
+/* Rows r0..r0+n (n <= 4) of acc: acc = acc * alpha[k] + sum_jj p[k][jj] * vrow[jj] for jj < nk, one
+ * d-block at a time so the accumulators stay in registers across the chunk's keys. */
+static inline void update_rows(float *acc, int64_t Dp, int64_t D, int64_t n, const float *alpha, const vf *p,
+                               const float *const *vrow, int64_t nk) {
+    int64_t d = 0;
+    for (; d + UR_BLOCKS * VL <= D; d += UR_BLOCKS * VL) {
+        vf a[4][UR_BLOCKS];
+        for (int64_t k = 0; k < n; k++)
+            for (int64_t b = 0; b < UR_BLOCKS; b++) a[k][b] = vload(acc + k * Dp + d + b * VL) * alpha[k];
+        for (int64_t jj = 0; jj < nk; jj++) {
+            vf v[UR_BLOCKS];
+            for (int64_t b = 0; b < UR_BLOCKS; b++) v[b] = vload(vrow[jj] + d + b * VL);
+            for (int64_t k = 0; k < n; k++) {
+                const float pk = p[k][jj];
+                for (int64_t b = 0; b < UR_BLOCKS; b++) a[k][b] += pk * v[b];
+            }
+        }
+        for (int64_t k = 0; k < n; k++)
+            for (int64_t b = 0; b < UR_BLOCKS; b++) vstore(acc + k * Dp + d + b * VL, a[k][b]);
+    }
+    for (; d + VL <= D; d += VL) {
+        vf a[4];
+        for (int64_t k = 0; k < n; k++) a[k] = vload(acc + k * Dp + d) * alpha[k];
+        for (int64_t jj = 0; jj < nk; jj++) {
+            const vf v = vload(vrow[jj] + d);
+            for (int64_t k = 0; k < n; k++) a[k] += p[k][jj] * v;
+        }
+        for (int64_t k = 0; k < n; k++) vstore(acc + k * Dp + d, a[k]);
+    }
+    for (; d < D; d++) {
+        for (int64_t k = 0; k < n; k++) {
+            float t = acc[k * Dp + d] * alpha[k];
+            for (int64_t jj = 0; jj < nk; jj++) t += p[k][jj] * vrow[jj][d];
+            acc[k * Dp + d] = t;
+        }
+    }
+}
+
+/* dst[0:D] = codes * scale (DequantizeLinear with zero point 0) */
+static inline void dequant_row(float *dst, const int8_t *src, int64_t D, float scale) {
+    int64_t d = 0;
+    for (; d + VL <= D; d += VL) {
+        vi8 c;
+        memcpy(&c, src + d, sizeof c);
+        vstore(dst + d, __builtin_convertvector(c, vf) * scale);
+    }
+    for (; d < D; d++) dst[d] = (float)src[d] * scale;
+}
+
+/* krow/vrow[jj] = the pool rows of keys j0 + jj (jj < nk; the rest repeat key j0's), walking the block
+ * table with one division per chunk */
+static inline void chunk_rows(const Job *job, int64_t seq, int64_t kv_head, int64_t j0, int64_t nk,
+                              const float **krow, const float **vrow, float *kbuf, float *vbuf) {
+    const int64_t BS = job->block_size, KVH = job->kv_heads, D = job->head_dim;
+    const int32_t *table = job->bt + seq * job->max_blocks;
+    const int64_t past = job->past[seq];
+    int64_t blk = j0 / BS, off = j0 % BS;
+    for (int64_t jj = 0; jj < nk; jj++) {
+        const int64_t row = (((int64_t)table[blk] * BS + off) * KVH + kv_head) * D;
+        if (job->kc8 && j0 + jj >= past) { /* int8 pools, a key of this step: its float32 row */
+            const int64_t t = job->cu[seq] + (j0 + jj - past);
+            krow[jj] = job->kstep + t * job->kstep_stride + kv_head * D;
+            vrow[jj] = job->vstep + t * job->vstep_stride + kv_head * D;
+        } else if (job->kc8) { /* int8 pools, a past key: dequantized into the item's scratch (code * scale) */
+            float *kd = kbuf + jj * D, *vd = vbuf + jj * D;
+            dequant_row(kd, job->kc8 + row, D, job->k_scale[kv_head]);
+            dequant_row(vd, job->vc8 + row, D, job->v_scale[kv_head]);
+            krow[jj] = kd;
+            vrow[jj] = vd;
+        } else {
+            krow[jj] = job->kc + row;
+            vrow[jj] = job->vc + row;
+        }
+        if (++off == BS) {
+            off = 0;
+            blk++;
+        }
+    }
+    for (int64_t jj = nk; jj < VL; jj++) {
+        krow[jj] = krow[0];
+        vrow[jj] = vrow[0];
+    }
+}
+
+/* Many query rows (prefill tiles): VL rows at a time in the vector lanes. Q is transposed once per group
+ * (Qt [D][VL]), so a key chunk's scores are s[jj] = sum_d Qt[d] * k_jj[d] (a broadcast key element per
+ * multiply-add, no transposition of keys), the softmax runs per lane with no horizontal reductions, and
+ * the weighted values accumulate into Ot [D][VL] (a broadcast value element per multiply-add). Rows are
+ * those of the item's scratch Q [R][Dp] (scaled, rotated); the result goes to out. */
+static inline __attribute__((always_inline)) void attend_lanes(const Job *job, const Item it, const float *Q,
+                                                               int64_t Dp, int64_t R, float *scratch) {
+    const int64_t D = job->head_dim, G = job->group;
+    const int64_t H = job->num_heads, past = job->past[it.seq], row0 = job->cu[it.seq];
+    const int64_t window = job->window;
+    float *Qt = scratch, *Ot = Qt + D * VL, *kbuf = Ot + D * VL, *vbuf = kbuf + D * VL;
+    const float *krow[VL], *vrow[VL];
+    for (int64_t g0 = 0; g0 < R; g0 += VL) {
+        const int64_t nr = R - g0 < VL ? R - g0 : VL;
+        for (int64_t d = 0; d < D; d++)
+            for (int64_t r = 0; r < VL; r++) Qt[d * VL + r] = r < nr ? Q[(g0 + r) * Dp + d] : 0.0f;
+        memset(Ot, 0, sizeof(float) * (size_t)(D * VL));
+        /* each lane's position; padding lanes repeat the last row's (their results are dropped) */
+        int32_t pos_arr[VL];
+        for (int64_t r = 0; r < VL; r++) pos_arr[r] = (int32_t)(past + it.q0 + (g0 + (r < nr ? r : nr - 1)) / G);
+        vi prow;
+        memcpy(&prow, pos_arr, sizeof prow);
+        const int64_t p_min = pos_arr[0], p_max = pos_arr[nr - 1];
+        const vi lo_row = window > 0 ? prow - (int32_t)(window - 1) : (vi){0};
+        int64_t k_begin = window > 0 ? p_min - window + 1 : 0;
+        if (k_begin < 0) k_begin = 0;
+        vf m = vsplat(-INFINITY), l = {0};
+        for (int64_t j0 = k_begin; j0 <= p_max; j0 += VL) {
+            const int64_t nk = (p_max - j0 + 1) < VL ? (p_max - j0 + 1) : VL;
+            chunk_rows(job, it.seq, it.kv_head, j0, nk, krow, vrow, kbuf, vbuf);
+            vf sc[VL];
+            for (int64_t jj = 0; jj < VL; jj++) sc[jj] = (vf){0};
+            for (int64_t d = 0; d < D; d++) {
+                const vf q = vload(Qt + d * VL);
+                for (int64_t jj = 0; jj < VL; jj++) sc[jj] += q * krow[jj][d];
+            }
+            /* mask keys a lane may not see: past its position, before its window, beyond the chunk */
+            const int full = j0 + nk - 1 <= p_min && (window <= 0 || j0 >= p_max - window + 1) && nk == VL;
+            vf mx = vsplat(-INFINITY);
+            for (int64_t jj = 0; jj < VL; jj++) {
+                if (!full) {
+                    const int32_t j = (int32_t)(j0 + jj);
+                    const vi ok = (prow >= j) & (lo_row <= j) & (jj < nk ? (vi){0} - 1 : (vi){0});
+                    sc[jj] = vselect(ok, sc[jj], vsplat(-INFINITY));
+                }
+                mx = vmax(mx, sc[jj]);
+            }
+            const vf m_new = vmax(m, mx);
+            /* a lane that has seen no key yet keeps m = -inf: exponentiate against 0 there (all terms are 0) */
+            const vf m_use = vselect(m_new == vsplat(-INFINITY), (vf){0}, m_new);
+            const vf alpha = vexp2_neg(m - m_use);
+            vf psum = {0};
+            for (int64_t jj = 0; jj < VL; jj++) {
+                sc[jj] = vexp2_neg(sc[jj] - m_use);
+                psum += sc[jj];
+            }
+            l = l * alpha + psum;
+            m = m_new;
+            int64_t d = 0;
+            for (; d + LANE_DBLK <= D; d += LANE_DBLK) {
+                vf a[LANE_DBLK];
+                for (int64_t i = 0; i < LANE_DBLK; i++) a[i] = vload(Ot + (d + i) * VL) * alpha;
+                for (int64_t jj = 0; jj < nk; jj++)
+                    for (int64_t i = 0; i < LANE_DBLK; i++) a[i] += sc[jj] * vrow[jj][d + i];
+                for (int64_t i = 0; i < LANE_DBLK; i++) vstore(Ot + (d + i) * VL, a[i]);
+            }
+            for (; d < D; d++) {
+                vf a = vload(Ot + d * VL) * alpha;
+                for (int64_t jj = 0; jj < nk; jj++) a += sc[jj] * vrow[jj][d];
+                vstore(Ot + d * VL, a);
+            }
+        }
+        float inv[VL];
+        for (int64_t r = 0; r < VL; r++) inv[r] = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+        for (int64_t r = 0; r < nr; r++) {
+            const int64_t i = (g0 + r) / G, h = (g0 + r) % G;
+            float *dst = job->out + (row0 + it.q0 + i) * H * D + (it.kv_head * G + h) * D;
+            for (int64_t dd = 0; dd < D; dd++) dst[dd] = Ot[dd * VL + r] * inv[r];
+        }
+    }
+}
+
+/* One work item: its query rows scaled (and rotated) into scratch, then attend_lanes for many rows, or per
+ * row dot products for few (decode): chunks of VL keys, NR rows per score pass. */
+static void attention_item(void *arg, size_t index) {
+    Job *job = (Job *)arg;
+    const Item it = job->items[index];
+    const int64_t D = job->head_dim, G = job->group;
+    const int64_t H = job->num_heads, Dp = (D + VL - 1) / VL * VL;
+    const int64_t nq = it.q1 - it.q0, R = nq * G, Rp = (R + NR - 1) / NR * NR;
+    const int64_t past = job->past[it.seq], row0 = job->cu[it.seq];
+    const int64_t window = job->window;
+    const int lanes = R >= LANES_MIN; /* many rows: attend_lanes */
+
+    /* scratch: Q [Rp][Dp] (scaled; zero rows/columns pad to whole passes and vectors), acc [Rp][Dp],
+     * attend_lanes' Qt and Ot [D][VL], a chunk's dequantized K and V rows [VL][D] each (int8 pools),
+     * m [R], l [R] */
+    float *mem = (float *)malloc(sizeof(float) * (size_t)(2 * Rp * Dp + 4 * D * VL + 2 * R + 2 * VL));
+    if (!mem) {
+        job->failed = 1;
+        return;
+    }
+    float *Q = mem, *acc = Q + Rp * Dp, *lanes_scratch = acc + Rp * Dp, *m = lanes_scratch + 4 * D * VL, *l = m + R;
+    float *kbuf = lanes_scratch + 2 * D * VL, *vbuf = kbuf + D * VL;
+    memset(mem, 0, sizeof(float) * (size_t)(2 * Rp * Dp));
+    for (int64_t i = 0; i < nq; i++) {
+        const int64_t t = row0 + it.q0 + i;
+        for (int64_t h = 0; h < G; h++) {
+            const float *src = job->q + t * job->q_stride + (it.kv_head * G + h) * D;
+            float *dst = Q + (i * G + h) * Dp;
+            if (job->pos) {
+                const int64_t half = job->rdim / 2;
+                rope_row(dst, src, D, job->rdim, job->interleaved, job->cos + job->pos[t] * half,
+                         job->sin + job->pos[t] * half, job->scale_log2);
+            } else {
+                for (int64_t d = 0; d < D; d++) dst[d] = src[d] * job->scale_log2;
+            }
+        }
+    }
+    if (lanes) {
+        attend_lanes(job, it, Q, Dp, R, lanes_scratch);
+        free(mem);
+        return;
+    }
+    for (int64_t r = 0; r < R; r++) {
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+    }
+    const int64_t p_first = past + it.q0, p_last = past + it.q1 - 1;
+    int64_t k_begin = window > 0 ? p_first - window + 1 : 0;
+    if (k_begin < 0) k_begin = 0;
+    const float *krow[VL], *vrow[VL];
+    const vi lane = {IOTA};
+    vf s[NR];
+    float alpha[NR];
+
+    for (int64_t j0 = k_begin; j0 <= p_last; j0 += VL) {
+        const int64_t nk = (p_last - j0 + 1) < VL ? (p_last - j0 + 1) : VL;
+        chunk_rows(job, it.seq, it.kv_head, j0, nk, krow, vrow, kbuf, vbuf);
+        for (int64_t r0 = 0; r0 < R; r0 += NR) {
+            const int64_t nr = R - r0 < NR ? R - r0 : NR;
+            /* rows r0..r0+nr: skip when no key of this chunk is visible to any of them */
+            const int64_t p_lo = past + it.q0 + r0 / G, p_hi = past + it.q0 + (r0 + nr - 1) / G;
+            if (j0 > p_hi || j0 + nk - 1 < (window > 0 ? p_lo - window + 1 : 0)) continue;
+            for (int64_t k = 0; k < nr; k++) s[k] = scores(Q + (r0 + k) * Dp, krow, D);
+            for (int64_t k = 0; k < nr; k++) {
+                const int64_t r = r0 + k;
+                const int64_t p = past + it.q0 + r / G; /* this row's position */
+                const int64_t lo = window > 0 ? p - window + 1 : 0;
+                const vi j = lane + (int32_t)j0;
+                const vi ok = (j <= (int32_t)p) & (j >= (int32_t)lo) & (lane < (int32_t)nk);
+                const vf sc = vselect(ok, s[k], vsplat(-INFINITY));
+                const float mx = hmax(sc);
+                if (mx == -INFINITY) { /* nothing visible to this row here: leave it as it is */
+                    s[k] = (vf){0};
+                    alpha[k] = 1.0f;
+                    continue;
+                }
+                const float m_new = fmaxf(mx, m[r]);
+                alpha[k] = exp2_neg(m[r] - m_new);
+                s[k] = vexp2_neg(sc - m_new);
+                l[r] = l[r] * alpha[k] + hsum(s[k]);
+                m[r] = m_new;
+            }
+            for (int64_t k = 0; k < nr; k += 4)
+                update_rows(acc + (r0 + k) * Dp, Dp, D, nr - k < 4 ? nr - k : 4, alpha + k, s + k, vrow, nk);
+        }
+    }
+    for (int64_t i = 0; i < nq; i++) {
+        for (int64_t h = 0; h < G; h++) {
+            const int64_t r = i * G + h;
+            float *dst = job->out + (row0 + it.q0 + i) * H * D + (it.kv_head * G + h) * D;
+            const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+            for (int64_t d = 0; d < D; d++) dst[d] = acc[r * Dp + d] * inv;
+        }
+    }
+    free(mem);
+}
+
+/* ==== QuantizeRows ======================================================================================= */
+
+static void quantize_rows_item(void *arg, size_t index) {
+    const QuantJob *job = (const QuantJob *)arg;
+    const float inv_qmax = 1.0f / 127.0f, tiny = 1e-12f;
+    const int64_t r0 = (int64_t)index * job->rows_per_item;
+    const int64_t r1 = r0 + job->rows_per_item < job->rows ? r0 + job->rows_per_item : job->rows;
+    for (int64_t r = r0; r < r1; r++) {
+        const float *x = job->x + r * job->K;
+        uint8_t *q = job->codes + r * job->K;
+        vf m = {0};
+        int64_t k = 0;
+        for (; k + VL <= job->K; k += VL) {
+            const vf v = vload(x + k);
+            m = vmax(m, vselect(v < 0, -v, v));
+        }
+        float amax = hmax(m);
+        for (; k < job->K; k++) amax = fmaxf(amax, fabsf(x[k]));
+        const float sd = amax * inv_qmax;
+        const float s = sd > tiny ? sd : tiny;
+        job->scale[r] = s;
+        /* QuantizeLinear(x / s, 1, 128): x / s is within [-127, 127] up to rounding, where adding and
+         * subtracting 1.5 * 2^23 rounds to the nearest integer, ties to even (the default rounding mode),
+         * as nearbyintf does; then + 128 and saturation to [0, 255] */
+        const vf sv = vsplat(s), magic = vsplat(12582912.0f);
+        for (k = 0; k + VL <= job->K; k += VL) {
+            vf v = ((vload(x + k) / sv + magic) - magic) + 128.0f;
+            v = vmax(v, (vf){0});
+            v = vselect(v > 255.0f, vsplat(255.0f), v);
+            const vu8 c = __builtin_convertvector(__builtin_convertvector(v, vi), vu8);
+            memcpy(q + k, &c, sizeof c);
+        }
+        for (; k < job->K; k++) {
+            float v = nearbyintf(x[k] / s) + 128.0f;
+            v = v < 0.0f ? 0.0f : v > 255.0f ? 255.0f : v;
+            q[k] = (uint8_t)v;
+        }
+    }
+}
+
+/* ==== SiluMul ============================================================================================ */
+
+static inline vf vsilu_mul(vf g, vf u) {
+    const vf a = vselect(g < 0, -g, g);
+    const vf e = vexp2_neg(a * -1.4426950408889634f);
+    const vf sig = vselect(g < 0, e, vsplat(1.0f)) / (e + 1.0f);
+    return g * sig * u;
+}
+
+static void silu_mul_item(void *arg, size_t index) {
+    const SmJob *job = (const SmJob *)arg;
+    const int64_t I = job->I, r0 = (int64_t)index * job->rows_per_item;
+    const int64_t r1 = r0 + job->rows_per_item < job->rows ? r0 + job->rows_per_item : job->rows;
+    for (int64_t r = r0; r < r1; r++) {
+        const float *g = job->x + r * 2 * I, *u = g + I;
+        float *y = job->y + r * I;
+        int64_t k = 0;
+        for (; k + VL <= I; k += VL) vstore(y + k, vsilu_mul(vload(g + k), vload(u + k)));
+        if (k < I) { /* the last partial vector, through zero-padded lanes: the same arithmetic */
+            float tg[VL] = {0}, tu[VL] = {0}, ty[VL];
+            memcpy(tg, g + k, sizeof(float) * (size_t)(I - k));
+            memcpy(tu, u + k, sizeof(float) * (size_t)(I - k));
+            vstore(ty, vsilu_mul(vload(tg), vload(tu)));
+            memcpy(y + k, ty, sizeof(float) * (size_t)(I - k));
+        }
+    }
+}
+
+/* ==== MatMulBf16 ========================================================================================= */
+
+static void bf16_convert_rows(void *arg, size_t index) {
+    const BfJob *job = (const BfJob *)arg;
+    const int64_t r0 = (int64_t)index * job->rows_per_conv;
+    const int64_t r1 = r0 + job->rows_per_conv < job->M ? r0 + job->rows_per_conv : job->M;
+    for (int64_t r = r0; r < r1; r++) {
+        const float *x = job->a + r * job->K;
+        uint16_t *o = (uint16_t *)job->ab + r * 2 * job->KP;
+        uint32_t *of = (uint32_t *)job->ab + r * 2 * job->KP; /* a_f32: the bf16 value as float32 bits */
+        int64_t k = 0;
+        for (; k + VL <= job->K; k += VL) {
+            vu32 u;
+            memcpy(&u, x + k, sizeof u);
+            const vi nan = (vi)((u & 0x7fffffffu) > 0x7f800000u);
+            const vu32 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+            const vu32 quiet = (u >> 16) | 0x40u;
+            const vu32 bits = (vu32)((nan & (vi)quiet) | (~nan & (vi)rounded));
+            if (job->a_f32) {
+                const vu32 wide = bits << 16;
+                memcpy(of + k, &wide, sizeof wide);
+            } else {
+                const vu16 b = __builtin_convertvector(bits, vu16);
+                memcpy(o + k, &b, sizeof b);
+            }
+        }
+        for (; k < job->K; k++) {
+            if (job->a_f32)
+                of[k] = (uint32_t)bf16_round(x[k]) << 16;
+            else
+                o[k] = bf16_round(x[k]);
+        }
+        if (job->K % 2) {
+            if (job->a_f32)
+                of[job->K] = 0;
+            else
+                o[job->K] = 0;
+        }
+    }
+}
+
+/* Store VL columns of a row (fewer at the right edge of y; none when ncols <= 0). */
+static inline void bf16_store(float *dst, vf v, int64_t ncols) {
+    if (ncols >= VL) {
+        vstore(dst, v);
+    } else if (ncols > 0) {
+        float t[VL];
+        vstore(t, v);
+        memcpy(dst, t, sizeof(float) * (size_t)ncols);
+    }
+}
+
+/* A packed panel's pair row kk holds 16 columns x (k, k + 1) as uint32: PV vectors of VL pairs. Widening a
+ * pair vector to float32: the even k's value is the low half shifted up 16 bits, the odd k's the high half
+ * with the low bits cleared (bf16 -> float32 is exact). */
+#define PV (BF_PANEL / VL)
+#define NV (BF_NPAN * PV) /* vectors of a tile's row */
+
+static inline void bf16_widen(const uint32_t *const *w, int64_t kk, vf *e, vf *o) {
+    for (int v = 0; v < NV; v++) {
+        vu32 b;
+        memcpy(&b, w[v / PV] + kk * BF_PANEL + (v % PV) * VL, sizeof b);
+        e[v] = (vf)(b << 16);
+        o[v] = (vf)(b & 0xffff0000u);
+    }
+}
+
+static inline void bf16_store_row(float *y, const vf *acc, const int64_t *ncols) {
+    for (int v = 0; v < NV; v++) bf16_store(y + (v / PV) * BF_PANEL + (v % PV) * VL, acc[v], ncols[v / PV] - (v % PV) * VL);
+}
+
+/* MR rows x BF_NPAN panels over all K: acc += a_even * w_even + a_odd * w_odd (two FMAs per vector). */
+#define BF16_TILE(MR)                                                                                          \
+    static inline __attribute__((always_inline)) void bf16_tile_##MR(const float *af, int64_t lda,             \
+                                                                     const uint32_t *const *w, int64_t KP,      \
+                                                                     float *y, int64_t ldy,                     \
+                                                                     const int64_t *ncols) {                   \
+        vf acc[MR][NV];                                                                                        \
+        for (int r = 0; r < MR; r++)                                                                           \
+            for (int v = 0; v < NV; v++) acc[r][v] = (vf){0};                                                  \
+        for (int64_t kk = 0; kk < KP; kk++) {                                                                  \
+            vf e[NV], o[NV];                                                                                   \
+            bf16_widen(w, kk, e, o);                                                                           \
+            for (int r = 0; r < MR; r++) {                                                                     \
+                const float ae = af[r * 2 * lda + 2 * kk], ao = af[r * 2 * lda + 2 * kk + 1];                  \
+                for (int v = 0; v < NV; v++) acc[r][v] += ae * e[v] + ao * o[v];                               \
+            }                                                                                                  \
+        }                                                                                                      \
+        for (int r = 0; r < MR; r++) bf16_store_row(y + r * ldy, acc[r], ncols);                               \
+    }
+#if BF_MR >= 8
+BF16_TILE(8)
+#endif
+#if BF_MR >= 4
+BF16_TILE(4)
+#endif
+BF16_TILE(2)
+
+/* One row (decode): the even and odd products in separate accumulators and BF_UNROLL pair rows per step,
+ * so 2 * BF_UNROLL * NV multiply-add chains run at once while the weights stream from memory. */
+static inline __attribute__((always_inline)) void bf16_tile_1(const float *af, int64_t lda,
+                                                               const uint32_t *const *w, int64_t KP, float *y,
+                                                               int64_t ldy, const int64_t *ncols) {
+    (void)lda;
+    (void)ldy;
+    vf ae_acc[BF_UNROLL][NV], ao_acc[BF_UNROLL][NV];
+    for (int u = 0; u < BF_UNROLL; u++)
+        for (int v = 0; v < NV; v++) ae_acc[u][v] = ao_acc[u][v] = (vf){0};
+    int64_t kk = 0;
+    for (; kk + BF_UNROLL <= KP; kk += BF_UNROLL) {
+        for (int u = 0; u < BF_UNROLL; u++) {
+            vf e[NV], o[NV];
+            const float ae = af[2 * (kk + u)], ao = af[2 * (kk + u) + 1];
+            bf16_widen(w, kk + u, e, o);
+            for (int v = 0; v < NV; v++) {
+                ae_acc[u][v] += ae * e[v];
+                ao_acc[u][v] += ao * o[v];
+            }
+        }
+    }
+    for (; kk < KP; kk++) {
+        vf e[NV], o[NV];
+        const float ae = af[2 * kk], ao = af[2 * kk + 1];
+        bf16_widen(w, kk, e, o);
+        for (int v = 0; v < NV; v++) {
+            ae_acc[0][v] += ae * e[v];
+            ao_acc[0][v] += ao * o[v];
+        }
+    }
+    vf sum[NV];
+    for (int v = 0; v < NV; v++) {
+        sum[v] = ae_acc[0][v] + ao_acc[0][v];
+        for (int u = 1; u < BF_UNROLL; u++) sum[v] += ae_acc[u][v] + ao_acc[u][v];
+    }
+    bf16_store_row(y, sum, ncols);
+}
+
+static void bf16_rows(const void *a, int64_t lda, int64_t nr, const uint32_t *w0, const uint32_t *w1,
+                      int64_t KP, float *y, int64_t ldy, int64_t c0, int64_t c1) {
+    const float *af = (const float *)a;
+    const uint32_t *wp[2] = {w0, w1};
+    const int64_t nc[2] = {c0, c1};
+    for (int p = 0; p < 2; p += BF_NPAN) {
+        if (nc[p] <= 0) break;
+        const uint32_t *const *w = wp + p;
+        const int64_t *ncols = nc + p;
+        float *yp = y + p * BF_PANEL;
+        int64_t r = 0;
+        if (nr == 1) {
+            bf16_tile_1(af, lda, w, KP, yp, ldy, ncols);
+            continue;
+        }
+        for (; r + BF_MR <= nr; r += BF_MR) {
+#if BF_MR == 8
+            bf16_tile_8(af + r * 2 * lda, lda, w, KP, yp + r * ldy, ldy, ncols);
+#elif BF_MR == 4
+            bf16_tile_4(af + r * 2 * lda, lda, w, KP, yp + r * ldy, ldy, ncols);
+#else
+            bf16_tile_2(af + r * 2 * lda, lda, w, KP, yp + r * ldy, ldy, ncols);
+#endif
+        }
+#if BF_MR > 4
+        if (nr - r >= 4) {
+            bf16_tile_4(af + r * 2 * lda, lda, w, KP, yp + r * ldy, ldy, ncols);
+            r += 4;
+        }
+#endif
+#if BF_MR > 2
+        if (nr - r >= 2) {
+            bf16_tile_2(af + r * 2 * lda, lda, w, KP, yp + r * ldy, ldy, ncols);
+            r += 2;
+        }
+#endif
+        if (nr - r >= 1) bf16_tile_1(af + r * 2 * lda, lda, w, KP, yp + r * ldy, ldy, ncols);
+    }
+}
