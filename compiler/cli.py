@@ -354,6 +354,9 @@ def eval_cmd(artifact: Path, data: Path, reference: Path | None, chunk_len: int,
 @click.option("--draft-artifact", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
               help="The draft model of speculative method draft (same tokenizer). Default: the one the artifact's "
                    "manifest pairs (recipe `speculative:` section), loaded when --speculative is draft.")
+@click.option("--kv-events", default=None, metavar="tcp://HOST:PORT",
+              help="Publish KV-cache events (vLLM's format: ZeroMQ PUB there, replay on PORT+1) for KV-aware "
+                   "routers. Carries token ids: bind an internal address. Default: off.")
 @_reference_options
 def serve(artifact: str, host: str, port: int, api_key: str | None, served_model_name: str | None,
           max_waiting: int, request_timeout: float, max_body_bytes: int, shutdown_grace: float,

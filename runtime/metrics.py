@@ -107,6 +107,8 @@ class _Count:
         self._const = const
         self._totals: dict[tuple[tuple[str, str], ...], float] = {}  # get() without a scrape
         self._c = Counter(name, doc, [*const, *label_names], registry=reg)
+        if not label_names:
+            self._c.labels(**const)  # scraped at 0 from the start
         self._v = None
         if vllm is not None:
             self._v = Counter(vllm[0], vllm[1], [*const, "engine"], registry=reg).labels(**const, engine="0")

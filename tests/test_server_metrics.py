@@ -86,6 +86,15 @@ def test_accessors_and_plain_parser() -> None:
     assert not any("_created" in k for k in flat)
 
 
+def test_every_series_is_scraped_before_its_first_event() -> None:
+    s = _samples(ServingMetrics("m", "1.0.0", "ab").render())
+    for name in ("optimize_prompt_tokens_total", "optimize_prefix_cache_queries_total",
+                 "optimize_prefix_cache_hits_total", "optimize_generation_tokens_total"):
+        assert _get(s, name) == ("counter", 0)
+    assert _get(s, "vllm:prefix_cache_queries_total", engine="0") == ("counter", 0)
+    assert _get(s, "optimize_e2e_request_latency_seconds_count") == ("histogram", 0)
+
+
 def test_two_servers_in_one_process_keep_apart() -> None:
     """Each ServingMetrics has its own registry: no clash on the names, no shared counts."""
     a, b = ServingMetrics("a", "1", "x"), ServingMetrics("b", "1", "y")
