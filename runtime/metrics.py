@@ -57,22 +57,22 @@ requests only count in the finished counters.
 
 from __future__ import annotations
 
+import bisect
+import copy
+import itertools
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-import prometheus_client
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 __all__ = ["ServingMetrics", "EngineSnapshot", "CONTENT_TYPE", "parse_prometheus"]
 
 # The text format generate_latest writes (Prometheus 0.0.4; metric names here are all legacy-valid).
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-
-# No `*_created` series: routers and dashboards read none, and they double the exposition.
-prometheus_client.disable_created_metrics()
 
 # Bucket upper bounds (seconds). Wide enough for a CPU demo and a GPU server alike.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -100,50 +100,65 @@ class EngineSnapshot:
 
 
 class _Count:
-    """A counter under its optimize_ name and, where vLLM has one, its vllm: name."""
+    """A counter under its optimize_ name and, where vLLM has one, its vllm: name. Plain numbers,
+    updated under ServingMetrics.lock and turned into metric families at scrape time (an update is a
+    dict addition, not a library call with its own lock)."""
 
-    def __init__(self, reg: CollectorRegistry, const: dict[str, str], name: str, doc: str,
-                 label_names: Sequence[str] = (), vllm: tuple[str, str] | None = None) -> None:
-        self._const = const
-        self._totals: dict[tuple[tuple[str, str], ...], float] = {}  # get() without a scrape
-        self._c = Counter(name, doc, [*const, *label_names], registry=reg)
-        if not label_names:
-            self._c.labels(**const)  # scraped at 0 from the start
-        self._v = None
-        if vllm is not None:
-            self._v = Counter(vllm[0], vllm[1], [*const, "engine"], registry=reg).labels(**const, engine="0")
+    def __init__(self, name: str, doc: str, label_names: Sequence[str] = (),
+                 vllm: tuple[str, str] | None = None) -> None:
+        self.name, self.doc, self.label_names, self.vllm = name, doc, tuple(label_names), vllm
+        self.values: dict[tuple[str, ...], float] = {} if label_names else {(): 0.0}
+
+    def _key(self, labels: dict[str, str]) -> tuple[str, ...]:
+        if len(labels) != len(self.label_names):
+            raise ValueError(f"{self.name}: labels {sorted(labels)} != {sorted(self.label_names)}")
+        return tuple(labels[n] for n in self.label_names)
 
     def inc(self, amount: float = 1.0, **labels: str) -> None:
-        self._c.labels(**self._const, **labels).inc(amount)
-        key = tuple(sorted(labels.items()))
-        self._totals[key] = self._totals.get(key, 0.0) + amount
-        if self._v is not None:
-            self._v.inc(amount)
+        key = self._key(labels)
+        self.values[key] = self.values.get(key, 0.0) + amount
 
     def touch(self, **labels: str) -> None:
         """Create the labelled series at 0 (so it is scraped before its first increment)."""
-        self._c.labels(**self._const, **labels)
+        self.values.setdefault(self._key(labels), 0.0)
 
     def get(self, **labels: str) -> float:
-        return self._totals.get(tuple(sorted(labels.items())), 0.0)
+        return self.values.get(self._key(labels), 0.0)
+
+    def families(self, names: list[str], values: list[str]) -> Iterator[Metric]:
+        c = CounterMetricFamily(self.name, self.doc, labels=[*names, *self.label_names])
+        for key, v in sorted(self.values.items()):
+            c.add_metric([*values, *key], v)
+        yield c
+        if self.vllm is not None:
+            v = CounterMetricFamily(self.vllm[0], self.vllm[1], labels=[*names, "engine"])
+            v.add_metric([*values, "0"], self.values[()])
+            yield v
 
 
 class _Hist:
-    """A histogram under its optimize_ name and its vllm: name."""
+    """A histogram under its optimize_ name and its vllm: name (plain numbers, like _Count)."""
 
-    def __init__(self, reg: CollectorRegistry, const: dict[str, str], name: str, vllm_name: str, doc: str,
-                 buckets: Sequence[float]) -> None:
-        self._h = Histogram(name, doc, list(const), registry=reg, buckets=buckets).labels(**const)
-        self._v = Histogram(vllm_name, doc, [*const, "engine"], registry=reg, buckets=buckets).labels(
-            **const, engine="0")
+    def __init__(self, name: str, vllm_name: str, doc: str, buckets: Sequence[float]) -> None:
+        self.name, self.vllm_name, self.doc = name, vllm_name, doc
+        self.bounds = tuple(float(b) for b in buckets)
+        self.les = [floatToGoString(b) for b in self.bounds] + ["+Inf"]
+        self.counts = [0] * (len(self.bounds) + 1)  # last: above every bound
         self.sum = 0.0
         self.count = 0
 
     def observe(self, value: float) -> None:
-        self._h.observe(value)
-        self._v.observe(value)
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1  # le is inclusive
         self.sum += value
         self.count += 1
+
+    def families(self, names: list[str], values: list[str]) -> Iterator[Metric]:
+        cumulative = list(itertools.accumulate(self.counts))
+        buckets = list(zip(self.les, cumulative, strict=True))
+        for name, extra_names, extra in ((self.name, [], []), (self.vllm_name, ["engine"], ["0"])):
+            h = HistogramMetricFamily(name, self.doc, labels=[*names, *extra_names])
+            h.add_metric([*values, *extra], buckets, self.sum)
+            yield h
 
 
 class _SnapshotCollector(Collector):
@@ -154,9 +169,10 @@ class _SnapshotCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         o = self.owner
-        with o.lock:
+        with o.lock:  # a consistent copy; the families are built outside the lock
             s, hits, queries, conns = o.snapshot, o.prefix_hits.get(), o.prefix_queries.get(), o.connections
             cache_config = dict(o.cache_config)
+            recorded = copy.deepcopy(o.recorded)
         const = o.const
         names, values = list(const), list(const.values())
         vnames, vvalues = [*names, "engine"], [*values, "0"]
@@ -218,6 +234,8 @@ class _SnapshotCollector(Collector):
             yield family
         yield rate
         yield from gauge(p + "open_connections", "HTTP connections open now.", conns)
+        for m in recorded:
+            yield from m.families(names, values)
         if cache_config:
             info = GaugeMetricFamily("vllm:cache_config_info", "Information of the KV cache config.",
                                      labels=[*vnames, *cache_config])
@@ -241,41 +259,44 @@ class ServingMetrics:
         self.snapshot = EngineSnapshot()
         self.connections = 0
         self.cache_config: dict[str, str] = {}
-        r, c, p = self.registry, self.const, "optimize_"
-        self.queue_time = _Hist(r, c, p + "request_queue_time_seconds", "vllm:request_queue_time_seconds",
+        p = "optimize_"
+        self.queue_time = _Hist(p + "request_queue_time_seconds", "vllm:request_queue_time_seconds",
                                 "Time from receipt to the first scheduled chunk.", LATENCY_BUCKETS)
-        self.prefill_time = _Hist(r, c, p + "request_prefill_time_seconds", "vllm:request_prefill_time_seconds",
+        self.prefill_time = _Hist(p + "request_prefill_time_seconds", "vllm:request_prefill_time_seconds",
                                   "Time from the first scheduled chunk to the first token.", LATENCY_BUCKETS)
-        self.ttft = _Hist(r, c, p + "time_to_first_token_seconds", "vllm:time_to_first_token_seconds",
+        self.ttft = _Hist(p + "time_to_first_token_seconds", "vllm:time_to_first_token_seconds",
                           "Time from receipt to the first generated token.", LATENCY_BUCKETS)
-        self.itl = _Hist(r, c, p + "inter_token_latency_seconds", "vllm:inter_token_latency_seconds",
+        self.itl = _Hist(p + "inter_token_latency_seconds", "vllm:inter_token_latency_seconds",
                          "Time between consecutive generated tokens of a request.", TOKEN_BUCKETS)
-        self.tpot = _Hist(r, c, p + "time_per_output_token_seconds", "vllm:request_time_per_output_token_seconds",
+        self.tpot = _Hist(p + "time_per_output_token_seconds", "vllm:request_time_per_output_token_seconds",
                           "Mean time per output token after the first, per request.", TOKEN_BUCKETS)
-        self.e2e = _Hist(r, c, p + "e2e_request_latency_seconds", "vllm:e2e_request_latency_seconds",
+        self.e2e = _Hist(p + "e2e_request_latency_seconds", "vllm:e2e_request_latency_seconds",
                          "Time from receipt to the last token.", LATENCY_BUCKETS)
-        self.prompt_tokens = _Count(r, c, p + "prompt_tokens_total", "Prompt tokens handed to the engine.",
+        self.prompt_tokens = _Count(p + "prompt_tokens_total", "Prompt tokens handed to the engine.",
                                     vllm=("vllm:prompt_tokens", "Number of prefill tokens processed."))
-        self.generation_tokens = _Count(r, c, p + "generation_tokens_total", "Generated tokens sent to clients.",
+        self.generation_tokens = _Count(p + "generation_tokens_total", "Generated tokens sent to clients.",
                                         vllm=("vllm:generation_tokens", "Number of generation tokens processed."))
-        self.finished = _Count(r, c, p + "requests_finished_total", "Finished requests by finish reason.",
+        self.finished = _Count(p + "requests_finished_total", "Finished requests by finish reason.",
                                ["finish_reason"])
-        self.success = _Count(r, c, "vllm:request_success_total", "Finished requests by finished_reason.",
+        self.success = _Count("vllm:request_success_total", "Finished requests by finished_reason.",
                               ["engine", "finished_reason"])
-        self.rejected = _Count(r, c, p + "requests_rejected_total",
+        self.rejected = _Count(p + "requests_rejected_total",
                                "Requests refused before reaching the engine, by reason.", ["reason"])
-        self.prefix_queries = _Count(r, c, p + "prefix_cache_queries_total",
+        self.prefix_queries = _Count(p + "prefix_cache_queries_total",
                                      "Prompt tokens of scheduled requests (prefix-cache lookups).",
                                      vllm=("vllm:prefix_cache_queries", "Prefix-cache queries, in tokens."))
-        self.prefix_hits = _Count(r, c, p + "prefix_cache_hits_total", "Prompt tokens found in the prefix cache.",
+        self.prefix_hits = _Count(p + "prefix_cache_hits_total", "Prompt tokens found in the prefix cache.",
                                   vllm=("vllm:prefix_cache_hits", "Prefix-cache hits, in tokens."))
-        self.dropped = _Count(r, c, p + "connections_dropped_total",
+        self.dropped = _Count(p + "connections_dropped_total",
                               "Connections closed by the server (slow or excess clients), by reason.", ["reason"])
         for reason in ("stop", "length", "abort", "timeout"):
             self.finished.touch(finish_reason=reason)
         for reason in ("stop", "length", "abort"):
             self.success.touch(engine="0", finished_reason=reason)
-        r.register(_SnapshotCollector(self))
+        self.recorded = [self.queue_time, self.prefill_time, self.ttft, self.itl, self.tpot, self.e2e,
+                         self.prompt_tokens, self.generation_tokens, self.finished, self.success, self.rejected,
+                         self.prefix_queries, self.prefix_hits, self.dropped]
+        self.registry.register(_SnapshotCollector(self))
 
     # ---- updates (engine thread) --------------------------------------------------------------
 
