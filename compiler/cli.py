@@ -363,6 +363,9 @@ def eval_cmd(artifact: Path, data: Path, reference: Path | None, chunk_len: int,
               help="Re-measure the CPU code path of the package's C ops (avx512 / avx2 / baseline) on this machine "
                    "before loading and use the fastest (ONNX Runtime CPU artifacts; the attention variant is part "
                    "of the graph and stays).")
+@click.option("--kv-events", default=None, metavar="tcp://HOST:PORT",
+              help="Publish KV-cache events (vLLM's format: ZeroMQ PUB there, replay on PORT+1) for KV-aware "
+                   "routers. Carries token ids: bind an internal address. Default: off.")
 @_reference_options
 def serve(artifact: str, host: str, port: int, api_key: str | None, served_model_name: str | None,
           max_waiting: int, request_timeout: float, max_body_bytes: int, shutdown_grace: float,

@@ -128,6 +128,8 @@ class AsyncEngine:
         self._unfinished = 0  # event-loop thread only: admitted and not finished by the engine
         self._per_client: dict[str, int] = {}  # event-loop thread only: unfinished requests per client
         self.snapshot = EngineSnapshot()  # replaced (not mutated) by the engine thread
+        # where the core's KV-cache event log goes after each step (runtime/kv_events.py); None: off
+        self.kv_sink: Callable[[bytes], None] | None = None
         self.error: BaseException | None = None  # set when the engine thread died
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # event-loop thread only
@@ -369,6 +371,8 @@ class AsyncEngine:
 
     def _publish(self) -> None:
         sched = self.engine.scheduler
+        if self.kv_sink is not None:
+            self.kv_sink(sched.kv_events())
         total = int(getattr(sched.config, "num_blocks", 0))
         free = int(getattr(sched, "num_free_blocks", total))
         with self._lock:

@@ -1,11 +1,11 @@
-"""Serving metrics in the Prometheus text exposition format (version 0.0.4), no dependencies.
+"""Serving metrics for `/metrics`, exposed with `prometheus-client` under two sets of names.
 
 `ServingMetrics` holds every metric the server exports. The engine thread records request phases
-and tokens; the HTTP thread renders `/metrics`. One lock guards all of it (updates are a few
-additions each, so contention is negligible next to a model step).
+and tokens; the HTTP thread renders `/metrics`. One lock guards the updates that touch several
+metrics at once (a few additions each, negligible next to a model step).
 
-Every sample carries the artifact's constant labels (`model_name`, `model_version`,
-`manifest_sha256`), so several artifacts scraped into one Prometheus stay apart.
+The `optimize_*` names carry the artifact's labels (`model_name`, `model_version`,
+`manifest_sha256`), so several artifacts scraped into one Prometheus stay apart:
 
     metric                                         type       unit / meaning
     optimize_request_queue_time_seconds            histogram  received -> first chunk scheduled
@@ -34,20 +34,44 @@ Every sample carries the artifact's constant labels (`model_name`, `model_versio
     optimize_spec_decode_accepted_tokens_per_pos_total{position}  counter  of which accepted (position 0: first)
     optimize_spec_decode_acceptance_rate_per_pos{position}        gauge    accepted / verified at that position
 
+The `vllm:*` names are the ones vLLM exports and LLM-aware routers scrape (the Gateway API
+Inference Extension's model-server protocol: queue depth, running requests, KV-cache use, cache
+config; vllm-router and llm-d read the same), with vLLM's types and meanings; they carry the same
+labels plus `engine="0"`:
+
+    vllm:num_requests_running / _waiting           gauge      = optimize_num_requests_running / _waiting
+    vllm:kv_cache_usage_perc                       gauge      used / total KV blocks, a fraction in [0, 1]
+    vllm:gpu_cache_usage_perc                      gauge      the same under its pre-v1 name (older pickers)
+    vllm:cache_config_info{block_size, num_gpu_blocks, enable_prefix_caching}  gauge  1 (info)
+    vllm:prefix_cache_queries_total / _hits_total  counter    tokens looked up / served from the prefix cache
+    vllm:num_preemptions_total                     counter    = optimize_preemptions_total
+    vllm:prompt_tokens_total / generation_tokens_total  counter  = the optimize_ counters
+    vllm:request_success_total{finished_reason}    counter    stop | length | abort (timeouts count as abort)
+    vllm:time_to_first_token_seconds, vllm:inter_token_latency_seconds, vllm:e2e_request_latency_seconds,
+    vllm:request_queue_time_seconds, vllm:request_prefill_time_seconds,
+    vllm:request_time_per_output_token_seconds     histogram  = the optimize_ histograms
+
 Latency histograms cover requests that finished with `stop` or `length`; aborted and timed-out
-requests only count in `optimize_requests_finished_total`.
+requests only count in the finished counters.
 """
 
 from __future__ import annotations
 
 import bisect
-import math
+import copy
+import itertools
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["Counter", "Gauge", "Histogram", "ServingMetrics", "EngineSnapshot", "CONTENT_TYPE"]
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
+__all__ = ["ServingMetrics", "EngineSnapshot", "CONTENT_TYPE", "parse_prometheus"]
+
+# The text format generate_latest writes (Prometheus 0.0.4; metric names here are all legacy-valid).
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # Bucket upper bounds (seconds). Wide enough for a CPU demo and a GPU server alike.
@@ -56,133 +80,7 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
                  0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _labels(pairs: Iterable[tuple[str, str]]) -> str:
-    body = ",".join(f'{k}="{_escape(v)}"' for k, v in pairs)
-    return "{" + body + "}" if body else ""
-
-
-def _num(value: float) -> str:
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    if math.isnan(value):
-        return "NaN"
-    if float(value).is_integer() and abs(value) < 1e15:
-        return str(int(value))
-    return repr(float(value))
-
-
-class _Metric:
-    kind = ""
-
-    def __init__(self, name: str, help_text: str, const: Sequence[tuple[str, str]],
-                 label_names: Sequence[str] = ()) -> None:
-        self.name = name
-        self.help = help_text
-        self.const = tuple(const)
-        self.label_names = tuple(label_names)
-
-    def _key(self, labels: dict[str, str]) -> tuple[str, ...]:
-        if set(labels) != set(self.label_names):
-            raise ValueError(f"{self.name}: labels {sorted(labels)} != {sorted(self.label_names)}")
-        return tuple(str(labels[n]) for n in self.label_names)
-
-    def _lbl(self, key: tuple[str, ...], extra: Sequence[tuple[str, str]] = ()) -> str:
-        return _labels([*self.const, *zip(self.label_names, key, strict=True), *extra])
-
-    def header(self) -> list[str]:
-        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
-
-
-class Counter(_Metric):
-    """A monotonically increasing count; `name` should end in `_total`."""
-
-    kind = "counter"
-
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        self.values: dict[tuple[str, ...], float] = {}
-        if not self.label_names:
-            self.values[()] = 0.0
-
-    def inc(self, amount: float = 1.0, **labels: str) -> None:
-        if amount < 0:
-            raise ValueError(f"{self.name}: a counter cannot decrease (inc by {amount})")
-        key = self._key(labels)
-        self.values[key] = self.values.get(key, 0.0) + amount
-
-    def get(self, **labels: str) -> float:
-        return self.values.get(self._key(labels), 0.0)
-
-    def render(self) -> list[str]:
-        return self.header() + [f"{self.name}{self._lbl(k)} {_num(v)}" for k, v in sorted(self.values.items())]
-
-
-class Gauge(_Metric):
-    """A value that goes up and down (set from the engine's latest snapshot)."""
-
-    kind = "gauge"
-
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        self.value = 0.0
-
-    def set(self, value: float) -> None:
-        self.value = float(value)
-
-    def render(self) -> list[str]:
-        return self.header() + [f"{self.name}{self._lbl(())} {_num(self.value)}"]
-
-
-class GaugeVec(_Metric):
-    """A gauge per label value (set from the engine's latest snapshot)."""
-
-    kind = "gauge"
-
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        self.values: dict[tuple[str, ...], float] = {}
-
-    def set(self, value: float, **labels: str) -> None:
-        self.values[self._key(labels)] = float(value)
-
-    def render(self) -> list[str]:
-        return self.header() + [f"{self.name}{self._lbl(k)} {_num(v)}" for k, v in sorted(self.values.items())]
-
-
-class Histogram(_Metric):
-    """Cumulative buckets, sum and count (no labels beyond the constant ones)."""
-
-    kind = "histogram"
-
-    def __init__(self, name: str, help_text: str, const: Sequence[tuple[str, str]],
-                 buckets: Sequence[float]) -> None:
-        super().__init__(name, help_text, const)
-        if list(buckets) != sorted(buckets) or len(set(buckets)) != len(buckets):
-            raise ValueError(f"{name}: buckets must be strictly increasing")
-        self.bounds = tuple(float(b) for b in buckets)
-        self.counts = [0] * (len(self.bounds) + 1)  # last: above every bound (+Inf only)
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.sum += value
-        self.count += 1
-
-    def render(self) -> list[str]:
-        lines = self.header()
-        acc = 0
-        for bound, n in zip((*self.bounds, math.inf), self.counts, strict=True):
-            acc += n
-            lines.append(f"{self.name}_bucket{self._lbl((), [('le', _num(bound))])} {acc}")
-        lines.append(f"{self.name}_sum{self._lbl(())} {_num(self.sum)}")
-        lines.append(f"{self.name}_count{self._lbl(())} {self.count}")
-        return lines
+_VLLM_REASON = {"stop": "stop", "length": "length", "abort": "abort", "timeout": "abort"}
 
 
 @dataclass
@@ -201,9 +99,153 @@ class EngineSnapshot:
     spec_position_accepted: tuple[int, ...] = ()
 
 
+class _Count:
+    """A counter under its optimize_ name and, where vLLM has one, its vllm: name. Plain numbers,
+    updated under ServingMetrics.lock and turned into metric families at scrape time (an update is a
+    dict addition, not a library call with its own lock)."""
+
+    def __init__(self, name: str, doc: str, label_names: Sequence[str] = (),
+                 vllm: tuple[str, str] | None = None) -> None:
+        self.name, self.doc, self.label_names, self.vllm = name, doc, tuple(label_names), vllm
+        self.values: dict[tuple[str, ...], float] = {} if label_names else {(): 0.0}
+
+    def _key(self, labels: dict[str, str]) -> tuple[str, ...]:
+        if len(labels) != len(self.label_names):
+            raise ValueError(f"{self.name}: labels {sorted(labels)} != {sorted(self.label_names)}")
+        return tuple(labels[n] for n in self.label_names)
+
+    def inc(self, amount: float = 1.0, **labels: str) -> None:
+        key = self._key(labels)
+        self.values[key] = self.values.get(key, 0.0) + amount
+
+    def touch(self, **labels: str) -> None:
+        """Create the labelled series at 0 (so it is scraped before its first increment)."""
+        self.values.setdefault(self._key(labels), 0.0)
+
+    def get(self, **labels: str) -> float:
+        return self.values.get(self._key(labels), 0.0)
+
+    def families(self, names: list[str], values: list[str]) -> Iterator[Metric]:
+        c = CounterMetricFamily(self.name, self.doc, labels=[*names, *self.label_names])
+        for key, v in sorted(self.values.items()):
+            c.add_metric([*values, *key], v)
+        yield c
+        if self.vllm is not None:
+            v = CounterMetricFamily(self.vllm[0], self.vllm[1], labels=[*names, "engine"])
+            v.add_metric([*values, "0"], self.values[()])
+            yield v
+
+
+class _Hist:
+    """A histogram under its optimize_ name and its vllm: name (plain numbers, like _Count)."""
+
+    def __init__(self, name: str, vllm_name: str, doc: str, buckets: Sequence[float]) -> None:
+        self.name, self.vllm_name, self.doc = name, vllm_name, doc
+        self.bounds = tuple(float(b) for b in buckets)
+        self.les = [floatToGoString(b) for b in self.bounds] + ["+Inf"]
+        self.counts = [0] * (len(self.bounds) + 1)  # last: above every bound
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1  # le is inclusive
+        self.sum += value
+        self.count += 1
+
+    def families(self, names: list[str], values: list[str]) -> Iterator[Metric]:
+        cumulative = list(itertools.accumulate(self.counts))
+        buckets = list(zip(self.les, cumulative, strict=True))
+        for name, extra_names, extra in ((self.name, [], []), (self.vllm_name, ["engine"], ["0"])):
+            h = HistogramMetricFamily(name, self.doc, labels=[*names, *extra_names])
+            h.add_metric([*values, *extra], buckets, self.sum)
+            yield h
+
+
+class _SnapshotCollector(Collector):
+    """The metrics read from the engine's latest snapshot (gauges, and counters the scheduler keeps)."""
+
+    def __init__(self, owner: ServingMetrics) -> None:
+        self.owner = owner
+
+    def collect(self) -> Iterator[Metric]:
+        o = self.owner
+        with o.lock:  # a consistent copy; the families are built outside the lock
+            s, hits, queries, conns = o.snapshot, o.prefix_hits.get(), o.prefix_queries.get(), o.connections
+            cache_config = dict(o.cache_config)
+            recorded = copy.deepcopy(o.recorded)
+        const = o.const
+        names, values = list(const), list(const.values())
+        vnames, vvalues = [*names, "engine"], [*values, "0"]
+        total = s.kv_blocks_used + s.kv_blocks_free
+        usage = s.kv_blocks_used / total if total else 0.0
+
+        def gauge(name: str, doc: str, value: float, vllm: str | None = None) -> Iterator[Metric]:
+            g = GaugeMetricFamily(name, doc, labels=names)
+            g.add_metric(values, value)
+            yield g
+            if vllm is not None:
+                v = GaugeMetricFamily(vllm, doc, labels=vnames)
+                v.add_metric(vvalues, value)
+                yield v
+
+        def counter(name: str, doc: str, value: float, vllm: str | None = None) -> Iterator[Metric]:
+            c = CounterMetricFamily(name, doc, labels=names)
+            c.add_metric(values, value)
+            yield c
+            if vllm is not None:
+                v = CounterMetricFamily(vllm, doc, labels=vnames)
+                v.add_metric(vvalues, value)
+                yield v
+
+        p = "optimize_"
+        yield from gauge(p + "num_requests_running", "Requests in the running batch.", s.running,
+                         "vllm:num_requests_running")
+        yield from gauge(p + "num_requests_waiting", "Requests accepted and not running.", s.waiting,
+                         "vllm:num_requests_waiting")
+        yield from gauge(p + "kv_blocks_used", "KV cache blocks in use.", s.kv_blocks_used)
+        yield from gauge(p + "kv_blocks_free", "KV cache blocks free.", s.kv_blocks_free)
+        yield from gauge(p + "kv_cache_usage_ratio", "Fraction of KV cache blocks in use.", usage,
+                         "vllm:kv_cache_usage_perc")
+        yield from gauge("vllm:gpu_cache_usage_perc", "Fraction of KV cache blocks in use (pre-v1 name).", usage)
+        yield from gauge(p + "prefix_cache_hit_rate", "Prefix-cache hits / queries since start.",
+                         hits / queries if queries else 0.0)
+        yield from counter(p + "preemptions", "Sequences preempted (blocks freed, recomputed).", s.preemptions,
+                           "vllm:num_preemptions")
+        yield from counter(p + "spec_decode_draft_tokens", "Speculative proposals verified.", s.spec_proposed)
+        yield from counter(p + "spec_decode_accepted_tokens", "Speculative proposals accepted.", s.spec_accepted)
+        yield from gauge(p + "spec_decode_acceptance_rate", "Accepted / verified proposals since start.",
+                         s.spec_accepted / s.spec_proposed if s.spec_proposed else 0.0)
+        per_pos = [
+            (CounterMetricFamily(p + "spec_decode_draft_tokens_per_pos",
+                                 "Speculative proposals verified, by draft position (0: first).",
+                                 labels=[*names, "position"]), s.spec_position_proposed),
+            (CounterMetricFamily(p + "spec_decode_accepted_tokens_per_pos",
+                                 "Speculative proposals accepted, by draft position (0: first).",
+                                 labels=[*names, "position"]), s.spec_position_accepted),
+        ]
+        rate = GaugeMetricFamily(p + "spec_decode_acceptance_rate_per_pos",
+                                 "Accepted / verified proposals at each draft position since start.",
+                                 labels=[*names, "position"])
+        for j, (n, a) in enumerate(zip(s.spec_position_proposed, s.spec_position_accepted, strict=True)):
+            rate.add_metric([*values, str(j)], a / n if n else 0.0)
+        for family, counts in per_pos:
+            for j, n in enumerate(counts):
+                family.add_metric([*values, str(j)], n)
+            yield family
+        yield rate
+        yield from gauge(p + "open_connections", "HTTP connections open now.", conns)
+        for m in recorded:
+            yield from m.families(names, values)
+        if cache_config:
+            info = GaugeMetricFamily("vllm:cache_config_info", "Information of the KV cache config.",
+                                     labels=[*vnames, *cache_config])
+            info.add_metric([*vvalues, *cache_config.values()], 1.0)
+            yield info
+
+
 @dataclass
 class ServingMetrics:
-    """Every metric of one served artifact, with its constant labels."""
+    """Every metric of one served artifact, with its constant labels, in a registry of its own."""
 
     model_name: str
     model_version: str
@@ -211,87 +253,67 @@ class ServingMetrics:
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
-        c = (("model_name", self.model_name), ("model_version", self.model_version),
-             ("manifest_sha256", self.manifest_sha256))
+        self.const = {"model_name": self.model_name, "model_version": self.model_version,
+                      "manifest_sha256": self.manifest_sha256}
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.snapshot = EngineSnapshot()
+        self.connections = 0
+        self.cache_config: dict[str, str] = {}
         p = "optimize_"
-        self.queue_time = Histogram(p + "request_queue_time_seconds",
-                                    "Time from receipt to the first scheduled chunk.", c, LATENCY_BUCKETS)
-        self.prefill_time = Histogram(p + "request_prefill_time_seconds",
-                                      "Time from the first scheduled chunk to the first token.", c, LATENCY_BUCKETS)
-        self.ttft = Histogram(p + "time_to_first_token_seconds",
-                              "Time from receipt to the first generated token.", c, LATENCY_BUCKETS)
-        self.itl = Histogram(p + "inter_token_latency_seconds",
-                             "Time between consecutive generated tokens of a request.", c, TOKEN_BUCKETS)
-        self.tpot = Histogram(p + "time_per_output_token_seconds",
-                              "Mean time per output token after the first, per request.", c, TOKEN_BUCKETS)
-        self.e2e = Histogram(p + "e2e_request_latency_seconds",
-                             "Time from receipt to the last token.", c, LATENCY_BUCKETS)
-        self.prompt_tokens = Counter(p + "prompt_tokens_total", "Prompt tokens handed to the engine.", c)
-        self.generation_tokens = Counter(p + "generation_tokens_total", "Generated tokens sent to clients.", c)
-        self.finished = Counter(p + "requests_finished_total", "Finished requests by finish reason.", c,
-                                ["finish_reason"])
-        self.rejected = Counter(p + "requests_rejected_total",
-                                "Requests refused before reaching the engine, by reason.", c, ["reason"])
-        self.running = Gauge(p + "num_requests_running", "Requests in the running batch.", c)
-        self.waiting = Gauge(p + "num_requests_waiting", "Requests accepted and not running.", c)
-        self.kv_used = Gauge(p + "kv_blocks_used", "KV cache blocks in use.", c)
-        self.kv_free = Gauge(p + "kv_blocks_free", "KV cache blocks free.", c)
-        self.kv_usage = Gauge(p + "kv_cache_usage_ratio", "Fraction of KV cache blocks in use.", c)
-        self.prefix_queries = Counter(p + "prefix_cache_queries_total",
-                                      "Prompt tokens of scheduled requests (prefix-cache lookups).", c)
-        self.prefix_hits = Counter(p + "prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", c)
-        self.prefix_hit_rate = Gauge(p + "prefix_cache_hit_rate", "Prefix-cache hits / queries since start.", c)
-        self.preemptions = Counter(p + "preemptions_total", "Sequences preempted (blocks freed, recomputed).", c)
-        self.spec_draft = Counter(p + "spec_decode_draft_tokens_total", "Speculative proposals verified.", c)
-        self.spec_accepted = Counter(p + "spec_decode_accepted_tokens_total", "Speculative proposals accepted.", c)
-        self.spec_rate = Gauge(p + "spec_decode_acceptance_rate", "Accepted / verified proposals since start.", c)
-        self.spec_draft_pos = Counter(p + "spec_decode_draft_tokens_per_pos_total",
-                                      "Speculative proposals verified, by draft position (0: first).", c, ["position"])
-        self.spec_accepted_pos = Counter(p + "spec_decode_accepted_tokens_per_pos_total",
-                                         "Speculative proposals accepted, by draft position (0: first).", c,
-                                         ["position"])
-        self.spec_rate_pos = GaugeVec(p + "spec_decode_acceptance_rate_per_pos",
-                                      "Accepted / verified proposals at each draft position since start.", c,
-                                      ["position"])
-        self.open_connections = Gauge(p + "open_connections", "HTTP connections open now.", c)
-        self.dropped = Counter(p + "connections_dropped_total",
-                               "Connections closed by the server (slow or excess clients), by reason.", c, ["reason"])
-        self._all: list[Counter | Gauge | Histogram] = [
-            self.queue_time, self.prefill_time, self.ttft, self.itl, self.tpot, self.e2e,
-            self.prompt_tokens, self.generation_tokens, self.finished, self.rejected,
-            self.running, self.waiting, self.kv_used, self.kv_free, self.kv_usage,
-            self.prefix_queries, self.prefix_hits, self.prefix_hit_rate, self.preemptions,
-            self.spec_draft, self.spec_accepted, self.spec_rate, self.spec_draft_pos, self.spec_accepted_pos,
-            self.spec_rate_pos, self.open_connections, self.dropped,
-        ]
+        self.queue_time = _Hist(p + "request_queue_time_seconds", "vllm:request_queue_time_seconds",
+                                "Time from receipt to the first scheduled chunk.", LATENCY_BUCKETS)
+        self.prefill_time = _Hist(p + "request_prefill_time_seconds", "vllm:request_prefill_time_seconds",
+                                  "Time from the first scheduled chunk to the first token.", LATENCY_BUCKETS)
+        self.ttft = _Hist(p + "time_to_first_token_seconds", "vllm:time_to_first_token_seconds",
+                          "Time from receipt to the first generated token.", LATENCY_BUCKETS)
+        self.itl = _Hist(p + "inter_token_latency_seconds", "vllm:inter_token_latency_seconds",
+                         "Time between consecutive generated tokens of a request.", TOKEN_BUCKETS)
+        self.tpot = _Hist(p + "time_per_output_token_seconds", "vllm:request_time_per_output_token_seconds",
+                          "Mean time per output token after the first, per request.", TOKEN_BUCKETS)
+        self.e2e = _Hist(p + "e2e_request_latency_seconds", "vllm:e2e_request_latency_seconds",
+                         "Time from receipt to the last token.", LATENCY_BUCKETS)
+        self.prompt_tokens = _Count(p + "prompt_tokens_total", "Prompt tokens handed to the engine.",
+                                    vllm=("vllm:prompt_tokens", "Number of prefill tokens processed."))
+        self.generation_tokens = _Count(p + "generation_tokens_total", "Generated tokens sent to clients.",
+                                        vllm=("vllm:generation_tokens", "Number of generation tokens processed."))
+        self.finished = _Count(p + "requests_finished_total", "Finished requests by finish reason.",
+                               ["finish_reason"])
+        self.success = _Count("vllm:request_success_total", "Finished requests by finished_reason.",
+                              ["engine", "finished_reason"])
+        self.rejected = _Count(p + "requests_rejected_total",
+                               "Requests refused before reaching the engine, by reason.", ["reason"])
+        self.prefix_queries = _Count(p + "prefix_cache_queries_total",
+                                     "Prompt tokens of scheduled requests (prefix-cache lookups).",
+                                     vllm=("vllm:prefix_cache_queries", "Prefix-cache queries, in tokens."))
+        self.prefix_hits = _Count(p + "prefix_cache_hits_total", "Prompt tokens found in the prefix cache.",
+                                  vllm=("vllm:prefix_cache_hits", "Prefix-cache hits, in tokens."))
+        self.dropped = _Count(p + "connections_dropped_total",
+                              "Connections closed by the server (slow or excess clients), by reason.", ["reason"])
         for reason in ("stop", "length", "abort", "timeout"):
-            self.finished.values[(reason,)] = 0.0
+            self.finished.touch(finish_reason=reason)
+        for reason in ("stop", "length", "abort"):
+            self.success.touch(engine="0", finished_reason=reason)
+        self.recorded = [self.queue_time, self.prefill_time, self.ttft, self.itl, self.tpot, self.e2e,
+                         self.prompt_tokens, self.generation_tokens, self.finished, self.success, self.rejected,
+                         self.prefix_queries, self.prefix_hits, self.dropped]
+        self.registry.register(_SnapshotCollector(self))
 
     # ---- updates (engine thread) --------------------------------------------------------------
 
     def set_snapshot(self, s: EngineSnapshot) -> None:
         with self.lock:
-            self.running.set(s.running)
-            self.waiting.set(s.waiting)
-            self.kv_used.set(s.kv_blocks_used)
-            self.kv_free.set(s.kv_blocks_free)
-            total = s.kv_blocks_used + s.kv_blocks_free
-            self.kv_usage.set(s.kv_blocks_used / total if total else 0.0)
-            self.preemptions.values[()] = float(s.preemptions)
-            self.spec_draft.values[()] = float(s.spec_proposed)
-            self.spec_accepted.values[()] = float(s.spec_accepted)
-            self.spec_rate.set(s.spec_accepted / s.spec_proposed if s.spec_proposed else 0.0)
-            for j, (n, a) in enumerate(zip(s.spec_position_proposed, s.spec_position_accepted, strict=True)):
-                self.spec_draft_pos.values[(str(j),)] = float(n)
-                self.spec_accepted_pos.values[(str(j),)] = float(a)
-                self.spec_rate_pos.set(a / n if n else 0.0, position=str(j))
+            self.snapshot = s
+
+    def set_cache_config(self, block_size: int, num_blocks: int, prefix_caching: bool) -> None:
+        """The KV cache's shape, exported as vllm:cache_config_info (routers read the block size)."""
+        with self.lock:
+            self.cache_config = {"block_size": str(block_size), "num_gpu_blocks": str(num_blocks),
+                                 "enable_prefix_caching": str(bool(prefix_caching))}
 
     def request_scheduled(self, prompt_tokens: int, cached_tokens: int) -> None:
         with self.lock:
             self.prefix_queries.inc(prompt_tokens)
             self.prefix_hits.inc(cached_tokens)
-            q = self.prefix_queries.get()
-            self.prefix_hit_rate.set(self.prefix_hits.get() / q if q else 0.0)
 
     def tokens(self, n: int, gaps: Iterable[float] = ()) -> None:
         with self.lock:
@@ -303,6 +325,7 @@ class ServingMetrics:
                          ttft: float | None = None, tpot: float | None = None, e2e: float | None = None) -> None:
         with self.lock:
             self.finished.inc(finish_reason=reason)
+            self.success.inc(engine="0", finished_reason=_VLLM_REASON.get(reason, "abort"))
             for hist, value in ((self.queue_time, queue), (self.prefill_time, prefill), (self.ttft, ttft),
                                 (self.tpot, tpot), (self.e2e, e2e)):
                 if value is not None:
@@ -320,7 +343,7 @@ class ServingMetrics:
 
     def set_open_connections(self, n: int) -> None:
         with self.lock:
-            self.open_connections.set(n)
+            self.connections = n
 
     def drop(self, reason: str) -> None:
         with self.lock:
@@ -333,11 +356,7 @@ class ServingMetrics:
     # ---- exposition ---------------------------------------------------------------------------
 
     def render(self) -> str:
-        with self.lock:
-            lines: list[str] = []
-            for m in self._all:
-                lines.extend(m.render())
-        return "\n".join(lines) + "\n"
+        return generate_latest(self.registry).decode("utf-8")
 
 
 def parse_prometheus(text: str) -> dict[str, float]:

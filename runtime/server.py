@@ -103,6 +103,7 @@ from runtime.async_engine import (
     warm_up,
 )
 from runtime.engine import RequestOutput, TokenLogprob
+from runtime.kv_events import KVEventPublisher, parse_endpoint
 from runtime.metrics import CONTENT_TYPE, ServingMetrics
 from runtime.sampling import SamplingParams
 from runtime.speculative import SpeculativeConfig
@@ -177,6 +178,9 @@ class ServerConfig:
     # The draft model of method "draft" (runtime/draft.py). None: the one the artifact's manifest pairs,
     # loaded when `speculative` is a "draft" config; a folder: that artifact, loaded in any case.
     draft_artifact: Path | None = None
+    # KV-cache events (runtime/kv_events.py): tcp://HOST:PORT binds the PUB socket there and the replay
+    # socket on PORT + 1. None: off. Token ids travel on it: an internal address only.
+    kv_events: str | None = None
 
     def validate(self) -> None:
         if self.max_waiting < 1:  # every request waits at least until the engine's next step
@@ -196,6 +200,8 @@ class ServerConfig:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.speculative is not None:
             SpeculativeConfig.parse(self.speculative)
+        if self.kv_events is not None:
+            parse_endpoint(self.kv_events)
 
 
 # --------------------------------------------------------------------------------------------
@@ -727,6 +733,7 @@ class Server:
         self.state = "loading"  # loading -> ready -> draining | failed
         self.exit_code = 0  # what serve() returns: 1 when the engine thread died
         self.engine: AsyncEngine | None = None
+        self.kv_publisher: KVEventPublisher | None = None  # with --kv-events
         self.codec: TextCodec | None = None
         self.chat: ChatTemplate | None = None
         self.tokenizer_config: dict[str, Any] = {}
@@ -777,6 +784,11 @@ class Server:
         self.codec = TextCodec(artifact.tokenizer_dir)
         self.chat = ChatTemplate(engine.tokenizer.config)
         self.tokenizer_config = dict(engine.tokenizer.config)
+        if c.kv_events:
+            engine.scheduler.enable_kv_events()  # its log opens with AllBlocksCleared: routers forget this worker
+            self.kv_publisher = KVEventPublisher(c.kv_events, engine.scheduler_config.block_size)
+            log.info("KV-cache events: PUB %s, replay %s", self.kv_publisher.pub_endpoint,
+                     self.kv_publisher.replay_endpoint)
         return engine, warm_up(engine) if c.warmup else 0.0
 
     async def load(self) -> str:
@@ -788,12 +800,15 @@ class Server:
         self.max_prompt_chars = self.max_model_len * self.codec.max_piece_chars
         self.block_size = engine.scheduler_config.block_size
         self.num_blocks = engine.scheduler_config.num_blocks
+        sc = engine.scheduler_config
+        self.metrics.set_cache_config(sc.block_size, sc.num_blocks, sc.enable_prefix_caching)
         self.engine = AsyncEngine(engine, self.metrics, max_waiting=self.config.max_waiting,
                                   max_per_client=self.config.max_requests_per_client, on_death=self._engine_died)
+        if self.kv_publisher is not None:
+            self.engine.kv_sink = self.kv_publisher.put
         self.engine.start(asyncio.get_running_loop())
         if self.state == "loading":
             self.state = "ready"
-        sc = engine.scheduler_config
         return (f"ready: verified, loaded and warmed up in {time.perf_counter() - t:.1f} s (warm-up {warm:.2f} s); "
                 f"context {sc.max_model_len}, {sc.num_blocks} KV blocks of {sc.block_size}, "
                 f"{sc.max_num_seqs} running / {self.config.max_waiting} waiting at most")
@@ -834,6 +849,8 @@ class Server:
             await self.runner.cleanup()  # close idle connections; cancels a handler still there after 1 s
         if self.engine is not None:
             await asyncio.to_thread(self.engine.stop)
+        if self.kv_publisher is not None:
+            await asyncio.to_thread(self.kv_publisher.close)
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- the app ------------------------------------------------------------------------------

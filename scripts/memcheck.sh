@@ -23,7 +23,7 @@ set -euo pipefail
 
 # The tests run under the sanitizers (files in tests/), and the helpers they import. A new test of
 # C code goes here.
-TESTS=(test_core_c.py test_core_reference.py test_prefix_cache.py test_sampling.py test_paged_cpu_kernel.py
+TESTS=(test_core_c.py test_core_reference.py test_prefix_cache.py test_sampling.py test_paged_cpu_kernel.py test_kv_events.py
        test_matmul_bf16_kernel.py)
 HELPERS=(test_core_fixtures.py cpu_paths.py)
 

@@ -1,4 +1,6 @@
-"""deploy/kubernetes.yaml agrees with the server: port, probe paths, read-only artifact, limits, drain time."""
+"""deploy/ agrees with the server (port, probe paths, read-only artifact, limits, drain time, KV-event
+ports), the router's manifest finds the server pods and may do so, and every manifest in deploy/
+validates against the Kubernetes API schemas (kubernetes-validate, offline)."""
 
 from __future__ import annotations
 
@@ -6,10 +8,12 @@ import re
 from pathlib import Path
 from typing import Any
 
+import kubernetes_validate
 import pytest
 import yaml
 
 from runtime import server
+from runtime.kv_events import parse_endpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 MANIFEST = ROOT / "deploy" / "kubernetes.yaml"
@@ -46,7 +50,10 @@ def test_probes_and_ports_match_the_server(docs: dict[str, dict[str, Any]]) -> N
     assert port == server.DEFAULT_PORT
     assert _flag(args, "--host") == "0.0.0.0"  # reachable from the Service, not only loopback
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-    assert ports == {"http": port}
+    kv = _flag(args, "--kv-events")
+    assert kv is not None
+    pub, replay = parse_endpoint(kv)
+    assert ports == {"http": port, "kv-events": int(pub.rsplit(":", 1)[1]), "kv-replay": int(replay.rsplit(":", 1)[1])}
 
     def target(probe: dict[str, Any]) -> tuple[str, int]:
         get = probe["httpGet"]
@@ -132,3 +139,70 @@ def test_canary_beside_stable_and_rollback(docs: dict[str, dict[str, Any]]) -> N
     assert canary["spec"]["template"]["metadata"]["annotations"] == stable["spec"]["template"]["metadata"]["annotations"]
     text = CANARY.read_text(encoding="utf-8")
     assert "kubectl delete -f deploy/canary.yaml" in text and "rollout undo" in text
+
+
+ROUTER = ROOT / "deploy" / "router.yaml"
+# Kubernetes minor versions the manifests must be valid for (the schemas ship with kubernetes-validate).
+K8S_VERSIONS = ("1.30", "1.33")
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_every_manifest_validates_against_the_api_schemas(version: str) -> None:
+    """Strict: an unknown or misspelt field fails, as does a wrong type; no cluster needed."""
+    files = sorted((ROOT / "deploy").glob("*.yaml"))
+    assert {f.name for f in files} >= {"kubernetes.yaml", "canary.yaml", "router.yaml"}
+    count = 0
+    for f in files:
+        for doc in yaml.safe_load_all(f.read_text(encoding="utf-8")):
+            if doc:
+                try:
+                    kubernetes_validate.validate(doc, version, strict=True)
+                except kubernetes_validate.ValidationError as exc:
+                    pytest.fail(f"{f.name}: {doc['kind']} {doc['metadata']['name']}: {exc.message} at "
+                                f"{'.'.join(map(str, exc.path))}")
+                count += 1
+    assert count >= 9
+
+
+def test_the_validator_catches_a_typo(docs: dict[str, dict[str, Any]]) -> None:
+    broken = yaml.safe_load(yaml.safe_dump(docs["Deployment"]))
+    _container(broken)["ports"][0]["containerPortt"] = 8000
+    with pytest.raises(kubernetes_validate.ValidationError, match="containerPortt"):
+        kubernetes_validate.validate(broken, K8S_VERSIONS[0], strict=True)
+
+
+def test_router_discovers_the_server_pods_with_the_rbac_it_needs(docs: dict[str, dict[str, Any]]) -> None:
+    router = {d["kind"]: d for d in yaml.safe_load_all(ROUTER.read_text(encoding="utf-8")) if d}
+    assert set(router) == {"ServiceAccount", "Role", "RoleBinding", "Deployment", "Service", "NetworkPolicy"}
+    pod = router["Deployment"]["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    args = c["args"]
+    assert c["command"] == ["vllm-router"] and "--service-discovery" in args
+    sel_at = args.index("--selector") + 1
+    selector = dict(a.split("=", 1) for a in args[sel_at:] if not a.startswith("--") and "=" in a)
+    server_labels = docs["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    assert selector and selector.items() <= server_labels.items()  # it finds the serve pods (stable and canary)
+    assert not {"optimize.dev/track"} & set(selector)
+    assert int(_flag(args, "--service-discovery-port") or 0) == server.DEFAULT_PORT
+    assert _flag(args, "--health-check-endpoint") == server.HEALTH_PATH
+    assert _flag(args, "--service-discovery-namespace") == "$(POD_NAMESPACE)"
+    # RBAC: its ServiceAccount may get, list and watch pods in its namespace, nothing more
+    assert pod["serviceAccountName"] == router["ServiceAccount"]["metadata"]["name"]
+    binding = router["RoleBinding"]
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": router["Role"]["metadata"]["name"]}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": pod["serviceAccountName"]}]
+    assert router["Role"]["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+    svc = router["Service"]["spec"]
+    assert svc["selector"].items() <= router["Deployment"]["spec"]["template"]["metadata"]["labels"].items()
+    # the KV-event ports of the serve pods admit the router's pods only; the API port stays open
+    policy = router["NetworkPolicy"]["spec"]
+    assert policy["podSelector"]["matchLabels"].items() <= server_labels.items()
+    open_rule, router_rule = policy["ingress"]
+    assert "from" not in open_rule and [p["port"] for p in open_rule["ports"]] == ["http"]
+    (peer,) = router_rule["from"]
+    assert peer["podSelector"]["matchLabels"].items() <= router["Deployment"]["spec"]["template"]["metadata"][
+        "labels"].items()
+    assert sorted(p["port"] for p in router_rule["ports"]) == ["kv-events", "kv-replay"]
+    named = {p["name"] for p in _container(docs["Deployment"])["ports"]}
+    assert {"http", "kv-events", "kv-replay"} <= named

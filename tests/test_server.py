@@ -303,7 +303,7 @@ def test_metrics_exposition(server: ServerProcess) -> None:
     for name in ("request_queue_time_seconds", "request_prefill_time_seconds", "time_to_first_token_seconds",
                  "inter_token_latency_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds"):
         assert f"# TYPE optimize_{name} histogram" in text
-        assert f'optimize_{name}_bucket{{model_name="{MODEL}"' in text and 'le="+Inf"' in text
+        assert re.search(rf'optimize_{name}_bucket{{[^}}]*model_name="{MODEL}"', text) and 'le="+Inf"' in text
     for name in ("num_requests_running", "num_requests_waiting", "kv_blocks_used", "kv_blocks_free",
                  "prefix_cache_hit_rate"):
         assert f"# TYPE optimize_{name} gauge" in text

@@ -14,9 +14,11 @@ import os
 from runtime.core.reference import (
     RNG,
     BatchEntry,
+    KVEvent,
     PrefixCacheStats,
     ScheduledBatch,
     SchedulerConfig,
+    decode_kv_events,
     make_rng,
 )
 
@@ -24,11 +26,13 @@ __all__ = [
     "CORE_IMPL",
     "RNG",
     "BatchEntry",
+    "KVEvent",
     "PrefixCacheStats",
     "ScheduledBatch",
     "Scheduler",
     "SchedulerConfig",
     "copy_blocks",
+    "decode_kv_events",
     "make_rng",
     "scatter_kv",
     "scatter_kv_layers",

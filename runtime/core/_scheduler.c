@@ -60,6 +60,15 @@
  *     Errors: ValueError (stale entry, duplicate, missing token, bad token), TypeError,
  *     RuntimeError (a sequence already at max_model_len). Everything is checked first: on error
  *     nothing changed.
+ * enable_kv_events() -> None             start the KV-cache event log (the prefix cache must be empty:
+ *     RuntimeError otherwise; a second call is a no-op). It opens with a "cleared" record; from then
+ *     on every block entering the prefix cache logs "stored" (its hash, its parent's hash unless it
+ *     is a sequence's first block, its block_size token ids) and every cached block evicted logs
+ *     "removed" (its hash), in the order the pool changed.
+ * kv_events() -> bytes                     the records logged since the last call, then forgets them:
+ *     native-endian uint64 words, [1, hash, parent, has_parent, tok * block_size] | [2, hash] | [3]
+ *     (runtime.core.reference.decode_kv_events reads them). b"" when off or nothing happened.
+ *     MemoryError once when a record could not be logged (the log was then dropped whole).
  * num_waiting, num_running, num_free_blocks, num_preemptions (read-only ints), has_unfinished(),
  * seq_tokens(id), seq_num_prompt(id), seq_num_cached(id), seq_block_table(id), seq_ids(),
  * prefix_cache_stats(), block_pool_state(): introspection, as in the twin; ValueError for an
@@ -138,6 +147,10 @@ typedef struct {
     int32_t *c_src, *c_dst;
     int64_t nc;
     int32_t *hits; /* [max_blocks_seq] */
+    /* KV-cache event log (enable_kv_events): uint64 records, see the contract */
+    int events_on, events_lost;
+    uint64_t *ev;
+    int64_t nev, capev;
     PyObject **last; /* [max_seqs] strong refs to the entries the last schedule() returned (e_* hold their fields) */
     int64_t nlast;
     /* pack buffers */
@@ -400,9 +413,48 @@ static void running_insert(Sched *s, seq_t *q) { /* bisect.insort by arrival */
     q->running = 1;
 }
 
+/* ---- KV-cache events ----------------------------------------------------------------------- */
+
+enum { EV_STORED = 1, EV_REMOVED = 2, EV_CLEARED = 3 };
+
+/* Room for n more words; on failure the log is dropped and kv_events() reports it once. */
+static uint64_t *ev_room(Sched *s, int64_t n) {
+    if (grow((void **)&s->ev, &s->capev, s->nev + n, sizeof(uint64_t)) < 0) {
+        PyErr_Clear();
+        s->events_lost = 1;
+        s->nev = 0;
+        return NULL;
+    }
+    uint64_t *p = s->ev + s->nev;
+    s->nev += n;
+    return p;
+}
+
+static void ev_stored(Sched *s, uint64_t h, uint64_t parent, int has_parent, const int64_t *tok) {
+    uint64_t *p = ev_room(s, 4 + s->bs);
+    if (p != NULL) {
+        p[0] = EV_STORED;
+        p[1] = h;
+        p[2] = has_parent ? parent : 0;
+        p[3] = (uint64_t)has_parent;
+        memcpy(p + 4, tok, (size_t)s->bs * sizeof(int64_t));
+    }
+}
+
+static void ev_removed(Sched *s, uint64_t h) {
+    uint64_t *p = ev_room(s, 2);
+    if (p != NULL) {
+        p[0] = EV_REMOVED;
+        p[1] = h;
+    }
+}
+
 /* ---- blocks ----------------------------------------------------------------------------- */
 
 static void uncache(Sched *s, int32_t b) {
+    if (s->events_on) {
+        ev_removed(s, s->bhash[b]);
+    }
     cmap_del(s, s->bhash[b]);
     s->bcached[b] = 0;
     s->bhash[b] = 0;
@@ -571,6 +623,9 @@ static int register_full_blocks(Sched *s, seq_t *q) {
         s->bhash[b] = h;
         s->bparent[b] = j ? q->hashes[j - 1] : q->root;
         memcpy(s->btok + (int64_t)b * s->bs, q->tokens + j * s->bs, (size_t)s->bs * sizeof(int64_t));
+        if (s->events_on) {
+            ev_stored(s, h, s->bparent[b], j > 0, q->tokens + j * s->bs);
+        }
     }
     if (full > q->nregistered) {
         q->nregistered = full;
@@ -686,7 +741,7 @@ static void S_clear_state(Sched *s) {
     }
     void *arrays[] = {s->ref, s->where, s->bcached, s->bhash, s->bparent, s->btok, s->lprev, s->lnext,
                       s->ck, s->cv, s->sk, s->sv, s->running, s->snap, s->e_sid, s->e_start, s->e_n,
-                      s->e_logits, s->c_src, s->c_dst, s->hits, s->last};
+                      s->e_logits, s->c_src, s->c_dst, s->hits, s->last, s->ev};
     for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; i++) {
         PyMem_Free(arrays[i]);
     }
@@ -1815,6 +1870,46 @@ done:
     return result;
 }
 
+static PyObject *S_enable_kv_events(Sched *s, PyObject *Py_UNUSED(ignored)) {
+    if (check_ready(s) < 0) {
+        return NULL;
+    }
+    if (s->events_on) {
+        Py_RETURN_NONE;
+    }
+    for (int64_t b = 0; b < s->nb; b++) {
+        if (s->bcached[b]) {
+            PyErr_SetString(PyExc_RuntimeError,
+                            "enable_kv_events() needs an empty prefix cache: call it before the first step");
+            return NULL;
+        }
+    }
+    uint64_t *p = ev_room(s, 1);
+    if (p == NULL) {
+        s->events_lost = 0;
+        return PyErr_NoMemory();
+    }
+    p[0] = EV_CLEARED;
+    s->events_on = 1;
+    Py_RETURN_NONE;
+}
+
+static PyObject *S_kv_events(Sched *s, PyObject *Py_UNUSED(ignored)) {
+    if (check_ready(s) < 0) {
+        return NULL;
+    }
+    if (s->events_lost) {
+        s->events_lost = 0;
+        PyErr_SetString(PyExc_MemoryError, "the KV event log lost records (out of memory)");
+        return NULL;
+    }
+    PyObject *out = PyBytes_FromStringAndSize((const char *)s->ev, (Py_ssize_t)(s->nev * (int64_t)sizeof(uint64_t)));
+    if (out != NULL) {
+        s->nev = 0;
+    }
+    return out;
+}
+
 static PyObject *get_int(Sched *s, int64_t v) {
     if (check_ready(s) < 0) {
         return NULL;
@@ -1857,6 +1952,10 @@ static PyMethodDef S_methods[] = {
     {"seq_ids", (PyCFunction)S_seq_ids, METH_NOARGS, "seq_ids() -> running (by arrival) then waiting ids"},
     {"prefix_cache_stats", (PyCFunction)S_prefix_cache_stats, METH_NOARGS, "prefix_cache_stats() -> counters"},
     {"block_pool_state", (PyCFunction)S_block_pool_state, METH_NOARGS, "block_pool_state() -> dict (tests)"},
+    {"enable_kv_events", (PyCFunction)S_enable_kv_events, METH_NOARGS,
+     "enable_kv_events(): log prefix-cache stored/removed events from now on (cache must be empty)."},
+    {"kv_events", (PyCFunction)S_kv_events, METH_NOARGS,
+     "kv_events() -> bytes: the event records logged since the last call (see the contract)."},
     {NULL, NULL, 0, NULL},
 };
 

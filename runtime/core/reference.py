@@ -73,6 +73,7 @@ blocks are freed last-block-first, so its tail is evicted before its head).
 
 from __future__ import annotations
 
+import array
 import bisect
 import logging
 import math
@@ -98,8 +99,10 @@ __all__ = [
     "ScheduledBatch",
     "Scheduler",
     "SchedulerConfig",
+    "KVEvent",
     "block_hash",
     "copy_blocks",
+    "decode_kv_events",
     "make_rng",
     "sample",
     "sample_probs",
@@ -242,6 +245,7 @@ class BlockManager:
         self.free_ids: deque[int] = deque(range(num_blocks))
         self.cached_free: OrderedDict[int, None] = OrderedDict()
         self.hash_to_block: dict[int, int] = {}
+        self.events: list[int] | None = None  # the KV-cache event log (Scheduler.enable_kv_events), uint64 words
 
     @property
     def num_blocks(self) -> int:
@@ -336,6 +340,8 @@ class BlockManager:
 
     def _uncache(self, block_id: int) -> None:
         block = self.blocks[block_id]
+        if self.events is not None:
+            self.events += (_EV_REMOVED, block.hash)  # type: ignore[arg-type]
         del self.hash_to_block[block.hash]  # type: ignore[arg-type]
         block.hash, block.parent, block.tokens = None, 0, ()
 
@@ -463,6 +469,29 @@ class Scheduler:
     def prefix_cache_stats(self) -> PrefixCacheStats:
         """Counters since the scheduler was made (all zero with prefix caching off)."""
         return PrefixCacheStats(*self._stats)
+
+    def enable_kv_events(self) -> None:
+        """Start the KV-cache event log (see `kv_events`); the prefix cache must be empty (RuntimeError
+        otherwise: call it before the first step). It opens with a "cleared" record. A second call: no-op."""
+        bm = self.block_manager
+        if bm.events is not None:
+            return
+        if bm.hash_to_block:
+            raise RuntimeError("enable_kv_events() needs an empty prefix cache: call it before the first step")
+        bm.events = [_EV_CLEARED]
+
+    def kv_events(self) -> bytes:
+        """The event records logged since the last call, then forgets them (b"" when off or none): native
+        uint64 words, one record per change of the prefix cache in the order it happened:
+        [1, hash, parent, has_parent, block_size token ids] a block entered the cache (parent: the previous
+        block's hash, 0 and has_parent 0 for a sequence's first block); [2, hash] a cached block was
+        evicted; [3] everything was cleared (the log's first record). `decode_kv_events` reads them."""
+        bm = self.block_manager
+        if not bm.events:
+            return b""
+        out = array.array("Q", bm.events).tobytes()
+        bm.events = []
+        return out
 
     def block_pool_state(self) -> dict[str, list[int]]:
         """The pool, for tests and debugging: ref counts, both free queues in allocation order, and
@@ -688,7 +717,9 @@ class Scheduler:
         for j in range(seq.num_registered, full):
             h = self._block_hash(seq, j)
             parent = seq.block_hashes[j - 1] if j else seq.root
-            self.block_manager.cache(seq.block_table[j], h, parent, seq.token_ids[j * bs: (j + 1) * bs])
+            tokens = seq.token_ids[j * bs: (j + 1) * bs]
+            if self.block_manager.cache(seq.block_table[j], h, parent, tokens) and self.block_manager.events is not None:
+                self.block_manager.events += (_EV_STORED, h, parent if j else 0, 1 if j else 0, *tokens)
         seq.num_registered = max(seq.num_registered, full)
 
     def _entry(self, seq: _Sequence, n: int) -> BatchEntry:
@@ -839,6 +870,43 @@ class Scheduler:
                     del seq.block_table[keep:]
             if self._caching:
                 self._register_full_blocks(seq)
+
+
+# --------------------------------------------------------------------------------------------
+# KV-cache event records (Scheduler.kv_events, both implementations)
+# --------------------------------------------------------------------------------------------
+
+_EV_STORED, _EV_REMOVED, _EV_CLEARED = 1, 2, 3
+
+
+class KVEvent(NamedTuple):
+    kind: str  # "stored" | "removed" | "cleared"
+    block_hash: int = 0  # stored, removed
+    parent_hash: int | None = None  # stored: the previous block's hash; None for a sequence's first block
+    token_ids: tuple[int, ...] = ()  # stored: the block's block_size token ids
+
+
+def decode_kv_events(data: bytes, block_size: int) -> list[KVEvent]:
+    """The records of `Scheduler.kv_events()` as KVEvents; ValueError on a malformed log."""
+    words = array.array("Q")
+    words.frombytes(data)
+    out: list[KVEvent] = []
+    i, n = 0, len(words)
+    while i < n:
+        kind = words[i]
+        if kind == _EV_STORED and i + 4 + block_size <= n:
+            out.append(KVEvent("stored", words[i + 1], words[i + 2] if words[i + 3] else None,
+                               tuple(words[i + 4: i + 4 + block_size])))
+            i += 4 + block_size
+        elif kind == _EV_REMOVED and i + 2 <= n:
+            out.append(KVEvent("removed", words[i + 1]))
+            i += 2
+        elif kind == _EV_CLEARED:
+            out.append(KVEvent("cleared"))
+            i += 1
+        else:
+            raise ValueError(f"malformed KV event log at word {i} of {n} (kind {kind})")
+    return out
 
 
 def _check_drafts(drafts: object) -> dict[int, list[int]]:
