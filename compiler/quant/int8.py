@@ -93,7 +93,8 @@ def quantize_per_tensor(x: np.ndarray) -> tuple[np.ndarray, np.float32, np.uint8
 
 
 def linear_reference(x: np.ndarray, w: Int8Weight) -> np.ndarray:
-    """What the lowered int8 Linear computes (exact integer accumulation, then the float scales)."""
+    """What the lowered int8 Linear computes (exact integer accumulation, then the float scales): on every
+    CPU with reduced-range weights, only with VNNI / AMX for full-range ones."""
     wq = w.codes.astype(np.int64)
     if w.activations == "per_token":
         q, s = quantize_per_token(x)
