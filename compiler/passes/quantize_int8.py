@@ -2,11 +2,14 @@
 
 Every Linear but the ignored ones (lm_head by default: the logits are the most sensitive output and
 the vocabulary GEMM the least activation-bound) gets symmetric int8 weights with one scale per
-output row (compiler/quant/int8.py). Activations are quantized dynamically in the graph, per token
-(default: a step's tokens do not share a scale, so a request's output does not depend on what else
-is in its batch) or per tensor (ONNX DynamicQuantizeLinear). lower_quant writes ONNX Runtime's
-integer GEMMs (MatMulIntegerToFloat / DynamicQuantizeMatMul: VNNI / AMX kernels); embeddings and
-the norms stay float (gathers and elementwise ops gain nothing from int8).
+output row (compiler/quant/int8.py), codes in [-64, 64] by default (`weight_range: reduced`: the
+integer GEMM is then exact on every x86 ISA, AVX2 without VNNI included; `full`, [-127, 127], is
+exact only where ONNX Runtime has VNNI or AMX kernels, see compiler/quant/int8.py). Activations are
+quantized dynamically in the graph, per token (default: a step's tokens do not share a scale, so a
+request's output does not depend on what else is in its batch) or per tensor (ONNX
+DynamicQuantizeLinear). lower_quant writes ONNX Runtime's integer GEMMs (MatMulIntegerToFloat /
+DynamicQuantizeMatMul: VNNI / AMX kernels); embeddings and the norms stay float (gathers and
+elementwise ops gain nothing from int8).
 
 `smoothquant_alpha` (optional, needs the recipe's calibration data) migrates activation outliers into
 the weights first: per input channel of q/k/v and of gate/up, s = amax(x)^a / amax(w)^(1-a) from the
@@ -37,12 +40,16 @@ SMOOTH_GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
 @dataclass(frozen=True)
 class Int8Options:
     activations: Literal["per_token", "per_tensor"] = "per_token"
+    # reduced: weight codes in [-64, 64], exact on every ISA; full: [-127, 127], exact only with VNNI / AMX
+    weight_range: Literal["reduced", "full"] = "reduced"
     smoothquant_alpha: float | None = None  # None: no migration; else in [0, 1] (0.5 is SmoothQuant's default)
     ignore: list[str] = field(default_factory=lambda: ["lm_head"])  # module name patterns kept in float
 
     def __post_init__(self) -> None:
         if self.activations not in ("per_token", "per_tensor"):
             raise ValueError(f"activations must be per_token or per_tensor, got {self.activations!r}")
+        if self.weight_range not in ("reduced", "full"):
+            raise ValueError(f"weight_range must be reduced or full, got {self.weight_range!r}")
         if self.smoothquant_alpha is not None and not 0.0 <= self.smoothquant_alpha <= 1.0:
             raise ValueError(f"smoothquant_alpha must be in [0, 1], got {self.smoothquant_alpha}")
 
@@ -100,12 +107,20 @@ class QuantizeInt8Pass(Pass):
                                  "unset (plain W8A8), or use quantize_awq / quantize_gptq / quantize_fp8")
             extra = self._smooth(ctx, model, targets, c.smoothquant_alpha)
         for name, lin in targets.items():
-            q = int8.quantize_weight(lin.weight, c.activations)
+            q = int8.quantize_weight(lin.weight, c.activations, c.weight_range)
             write_weight(lin, q.dequantize())
             st.weights[f"{name}.weight"] = QuantizedWeight(f"{name}.weight", "int8", q)
         st.weight_method = self.name
-        log.info("quantize_int8: %d Linear weights to INT8, activations %s", len(targets), c.activations)
+        qmax = int8.WEIGHT_QMAX[c.weight_range]
+        log.info("quantize_int8: %d Linear weights to INT8 (codes in [-%d, %d]), activations %s", len(targets),
+                 qmax, qmax, c.activations)
+        if c.weight_range == "full":
+            log.warning("quantize_int8: weight_range full: ONNX Runtime's uint8 x int8 GEMM is exact only on CPUs "
+                        "with VNNI or AMX; on AVX2 without them its int16 pair sums saturate (weight_range: reduced "
+                        "is exact everywhere)")
         return {"method": "int8", "bits": 8, "weights": "per_channel symmetric", "activations": c.activations,
+                "weight_range": c.weight_range, "weight_qmax": qmax,
+                "exact_on": "every ISA" if c.weight_range == "reduced" else "VNNI / AMX CPUs only",
                 "smoothquant_alpha": c.smoothquant_alpha, **extra,
                 **stats_for(st, model, skipped_modules(model, st.weights, c.ignore))}
 

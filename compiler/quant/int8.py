@@ -1,6 +1,7 @@
 """INT8 W8A8 math: symmetric per-output-channel int8 weights, dynamic int8 activations, SmoothQuant.
 
-    weights     s_w[n] = max|W[n, :]| / 127        Wq = clamp(round(W / s_w), -127, 127)   (int8, no zero point)
+    weights     s_w[n] = max|W[n, :]| / Q          Wq = clamp(round(W / s_w), -Q, Q)   (int8, no zero point)
+                Q = 64 (weight_range "reduced", the default) or 127 ("full")
     per_token   s_x[t] = max|x[t, :]| / 127        xq = round(x / s_x) + 128               (uint8, zero point 128)
     per_tensor  ONNX DynamicQuantizeLinear: uint8, asymmetric over the whole tensor (range includes 0)
     output      y[t, n] = s_x * s_w[n] * sum_k (xq[t, k] - zero point) * Wq[n, k]
@@ -9,6 +10,15 @@ Activations are quantized in the graph at run time (lower_quant writes the nodes
 here are their numpy/torch reference. The activation codes are uint8 because ONNX Runtime's
 integer GEMM (MLAS) has its fast VNNI/AMX path for uint8 x int8; int8 x int8 runs a slow
 reference loop there. A per-token zero point of 128 makes uint8 codes carry symmetric int8 values.
+
+Why the weights use Q = 64 by default: MLAS's uint8 x int8 kernel for AVX2 without VNNI (vpmaddubsw)
+adds the products of two adjacent k into a saturating int16 before widening; with activation codes up
+to 255 and weight codes up to 127 a pair reaches 2 x 255 x 127 = 64770 > 32767 and is clipped, so the
+GEMM is not the integer dot product (measured: ORT 1.32 on an AVX2 EPYC matches a saturating-pair model
+bit for bit). With |Wq| <= 64 a pair is at most 2 x 255 x 64 = 32640: exact on every ISA (VNNI and AMX
+accumulate in int32 anyway), so an artifact computes the same on the machine that serves it as on the
+one that built it. "full" (Q = 127) halves the weights' rounding step but is exact only where MLAS has
+VNNI or AMX (AVX512-VNNI, AVX-VNNI, AMX-INT8).
 
 SmoothQuant (Xiao et al. 2023) migrates activation outliers into the weights before rounding:
     s[c] = max|x[:, c]|^alpha / max|W[:, c]|^(1 - alpha)
@@ -24,10 +34,12 @@ from typing import Literal
 import numpy as np
 import torch
 
-QMAX = 127
+QMAX = 127  # activations: per-token codes in [-127, 127] around the zero point
+WEIGHT_QMAX = {"reduced": 64, "full": 127}  # weights: largest |code| per weight_range (see above)
 MIN_SCALE = 1e-12  # an all-zero row (or token) still gets a finite, positive scale
 ACT_ZERO_POINT = 128  # per-token activation codes: uint8 with a fixed zero point (symmetric int8 values)
 Activations = Literal["per_token", "per_tensor"]
+WeightRange = Literal["reduced", "full"]
 
 
 @dataclass
@@ -38,6 +50,7 @@ class Int8Weight:
     codes: np.ndarray  # int8 [out, in]
     scales: np.ndarray  # float32 [out]
     activations: Activations = "per_token"
+    qmax: int = WEIGHT_QMAX["reduced"]  # the largest |code| the rounding allowed
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -47,12 +60,18 @@ class Int8Weight:
         return torch.from_numpy(self.codes.astype(np.float32) * self.scales[:, None])
 
 
-def quantize_weight(w: torch.Tensor, activations: Activations = "per_token") -> Int8Weight:
-    """Symmetric per-output-channel int8 (round half to even, as torch.round)."""
+def quantize_weight(w: torch.Tensor, activations: Activations = "per_token",
+                    weight_range: WeightRange = "reduced") -> Int8Weight:
+    """Symmetric per-output-channel int8 codes in [-Q, Q], Q = WEIGHT_QMAX[weight_range] (round half to
+    even, as torch.round)."""
+    if weight_range not in WEIGHT_QMAX:
+        raise ValueError(f"weight_range must be one of {', '.join(WEIGHT_QMAX)}, got {weight_range!r}")
+    qmax = WEIGHT_QMAX[weight_range]
     w = w.detach().to(torch.float32)
-    scale = (w.abs().amax(dim=1) / QMAX).clamp(min=MIN_SCALE)
-    q = torch.round(w / scale.view(-1, 1)).clamp(-QMAX, QMAX).to(torch.int8)
-    return Int8Weight(codes=q.numpy().copy(), scales=scale.numpy().astype(np.float32).copy(), activations=activations)
+    scale = (w.abs().amax(dim=1) / qmax).clamp(min=MIN_SCALE)
+    q = torch.round(w / scale.view(-1, 1)).clamp(-qmax, qmax).to(torch.int8)
+    return Int8Weight(codes=q.numpy().copy(), scales=scale.numpy().astype(np.float32).copy(), activations=activations,
+                      qmax=qmax)
 
 
 def quantize_per_token(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -74,7 +93,8 @@ def quantize_per_tensor(x: np.ndarray) -> tuple[np.ndarray, np.float32, np.uint8
 
 
 def linear_reference(x: np.ndarray, w: Int8Weight) -> np.ndarray:
-    """What the lowered int8 Linear computes (exact integer accumulation, then the float scales)."""
+    """What the lowered int8 Linear computes (exact integer accumulation, then the float scales): on every
+    CPU with reduced-range weights, only with VNNI / AMX for full-range ones."""
     wq = w.codes.astype(np.int64)
     if w.activations == "per_token":
         q, s = quantize_per_token(x)
