@@ -612,6 +612,7 @@ def build(recipe_path: str | Path, progress: bool = True, output: str | Path | N
         draft = _build_draft(recipe, out_root, autotune, force)
     staging = final.parent / f".{recipe.version}.staging-{os.getpid()}"
     created_parent = not final.parent.exists()
+    _remove_stale_staging(final.parent, recipe.version)
     if staging.exists():
         shutil.rmtree(staging)
     staging.mkdir(parents=True)
@@ -696,6 +697,21 @@ def build(recipe_path: str | Path, progress: bool = True, output: str | Path | N
         raise
     log.info("built %s in %.1f s", final, timings["total"])
     return final
+
+
+def _remove_stale_staging(parent: Path, version: str) -> None:
+    """Remove the staging folders of builds of this version that were killed (their process is gone)."""
+    for stale in parent.glob(f".{version}.staging-*"):
+        pid = stale.name.rsplit("-", 1)[-1]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            log.info("removing %s (the build that wrote it was killed)", stale)
+            shutil.rmtree(stale, ignore_errors=True)
+        except PermissionError:  # another user's live process
+            continue
 
 
 def _build_draft(recipe: Recipe, out_root: Path, autotune: bool, force: bool = False) -> Path:

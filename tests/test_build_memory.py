@@ -106,6 +106,32 @@ def test_build_refuses_when_the_estimate_exceeds_mem_available(small_llama: Path
     assert (out / "model.onnx").is_file()
 
 
+def test_a_build_killed_midway_leaves_no_artifact(small_llama: Path, tmp_path: Path) -> None:
+    """SIGKILL while the passes run: nothing at <output>/<name>/<version>; the next build removes the dead
+    build's staging folder and succeeds."""
+    import signal
+    import time
+
+    recipe = write_recipe(tmp_path, small_llama, name="killed", passes=(
+        "  - name: capture\n  - name: quantize_rtn\n  - name: lower_onnx\n  - name: lower_quant\n"
+        "  - name: package\n"))
+    proc = subprocess.Popen([*CLI, "build", str(recipe), "--no-autotune", "--no-progress"], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    parent = tmp_path / "artifacts" / "killed"
+    deadline = time.monotonic() + 600
+    while not list(parent.glob(".1.0.0.staging-*")) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    time.sleep(1.0)  # into the passes
+    assert proc.poll() is None, "the build ended before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (parent / "1.0.0").exists()
+    assert [p.name for p in parent.iterdir()] == [f".1.0.0.staging-{proc.pid}"]
+    out = build(recipe, progress=False, autotune=False)
+    assert out == parent / "1.0.0" and (out / "manifest.json").is_file()
+    assert [p.name for p in parent.iterdir()] == ["1.0.0"]
+
+
 def _fp32_bytes(shape: dict[str, int], vocab: int = 4096) -> tuple[int, int]:
     """(one decoder layer + embedding + head, the whole model) in float32 bytes."""
     h, inter = shape["hidden_size"], shape["intermediate_size"]
