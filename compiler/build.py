@@ -33,6 +33,15 @@ from typing import Any
 
 from compiler.attention import KERNELS
 from compiler.checkpoint import CheckpointError, CheckpointInfo, inspect_checkpoint
+from compiler.memory import (
+    RssSampler,
+    check_memory,
+    estimate_pass_peaks,
+    release_torch_model,
+    return_freed_memory,
+    status_kb,
+    trim_heap,
+)
 from compiler.passes import PASSES, BuildContext, BuildError, Pass, pass_options
 from compiler.recipe import Recipe, RecipeError, load_recipe
 from compiler.targets import supported, target_for
@@ -52,6 +61,7 @@ class Plan:
     checkpoint: CheckpointInfo
     passes: list[Pass]
     estimates: dict[str, int] = field(default_factory=dict)
+    pass_peaks: dict[str, int] = field(default_factory=dict)  # estimated peak RSS per pass (compiler/memory.py)
 
 
 def _estimates(recipe: Recipe, info: CheckpointInfo, passes: list[Pass] | None = None) -> dict[str, int]:
@@ -89,8 +99,8 @@ def _estimates(recipe: Recipe, info: CheckpointInfo, passes: list[Pass] | None =
         "runtime_kv_cache_bytes": kv,
         "runtime_activation_bytes": activations,
         "runtime_total_bytes": weights + kv + activations,
-        # checkpoint tensors + our model + the ONNX proto and its serialisation, plus the tracer
-        "build_peak_bytes": info.weight_bytes + 3 * weights + 256 * 1024 * 1024,
+        # the largest of the passes' estimates (compiler/memory.py)
+        "build_peak_bytes": max(estimate_pass_peaks(recipe, info, passes or []).values(), default=0),
     }
 
 
@@ -147,7 +157,7 @@ def plan(recipe_path: str | Path) -> Plan:
         if needs is not None and needs() and recipe.calibration is None:
             raise recipe.error(f"passes[{i}].name", f"pass {ps.name!r} needs calibration data: add a 'calibration:' "
                                "section (data: a local .txt or .jsonl file; num_samples, seq_len, seed)")
-    return Plan(recipe, info, passes, _estimates(recipe, info, passes))
+    return Plan(recipe, info, passes, _estimates(recipe, info, passes), estimate_pass_peaks(recipe, info, passes))
 
 
 def _check_quantization_order(recipe: Recipe) -> None:
@@ -610,16 +620,20 @@ def token_agreement(backend: Any, model: Any, prompts: list[list[int]], n: int) 
 
 
 def build(recipe_path: str | Path, progress: bool = True, output: str | Path | None = None,
-          autotune: bool = True) -> Path:
+          autotune: bool = True, force: bool = False) -> Path:
     """Run the recipe; returns the artifact folder. Raises RecipeError/BuildError and leaves nothing.
 
     `output` overrides the recipe's output folder (the artifact goes to <output>/<name>/<version>).
     `autotune=False` makes passes that measure candidates on this machine use their fixed rule
-    tables instead, so the build is deterministic (byte-reproducible).
+    tables instead, so the build is deterministic (byte-reproducible). A build whose estimated peak memory
+    exceeds MemAvailable is refused before any work unless `force` (compiler/memory.py).
     """
     t0 = time.perf_counter()
     p = plan(recipe_path)
     recipe = p.recipe
+    too_big = check_memory(p.pass_peaks, force)
+    if too_big is not None:
+        raise BuildError(too_big)
     for ps in p.passes:  # GPU packages / devices a pass needs: fail before any work, saying what is missing
         problem = ps.check_environment(recipe)
         if problem is not None:
@@ -629,15 +643,19 @@ def build(recipe_path: str | Path, progress: bool = True, output: str | Path | N
     final = check_version_unused(out_root, recipe.name, recipe.version)
     draft: Path | None = None
     if recipe.speculative is not None:
-        draft = _build_draft(recipe, out_root, autotune)
+        draft = _build_draft(recipe, out_root, autotune, force)
     staging = final.parent / f".{recipe.version}.staging-{os.getpid()}"
     created_parent = not final.parent.exists()
+    _remove_stale_staging(final.parent, recipe.version)
     if staging.exists():
         shutil.rmtree(staging)
     staging.mkdir(parents=True)
     ctx = BuildContext(recipe=recipe, checkpoint=p.checkpoint, staging=staging)
     ctx.artifacts["no_autotune"] = not autotune
     timings: dict[str, float] = {}
+    memory: dict[str, int] = {}
+    sampler = RssSampler()
+    return_freed_memory()
     try:
         from compiler.checkpoint import source_sha256
 
@@ -645,7 +663,7 @@ def build(recipe_path: str | Path, progress: bool = True, output: str | Path | N
         src_sha = source_sha256(p.checkpoint)
         timings["hash_source"] = time.perf_counter() - t
         pass_records = []
-        with _progress(progress) as bar:
+        with _progress(progress) as bar, sampler:
             task = bar.add_task("build", total=len(p.passes) + 1) if bar else None
             ctx.artifacts["progress"] = bar  # passes with long loops add a task of their own (None: off)
             for ps in p.passes:
@@ -662,6 +680,11 @@ def build(recipe_path: str | Path, progress: bool = True, output: str | Path | N
                     record.update(status="applied", stats=ps.run(ctx))
                 ctx.completed.append(ps.name)
                 timings[f"pass.{ps.name}"] = time.perf_counter() - t
+                memory[f"pass.{ps.name}"] = sampler.take()
+                later = [q.name for q in p.passes[len(ctx.completed):]]
+                if release_torch_model(recipe, ctx.artifacts, later):
+                    log.info("released the torch model after %s (nothing later reads it)", ps.name)
+                trim_heap()
                 pass_records.append(record)
                 if bar:
                     bar.advance(task)
@@ -674,6 +697,7 @@ def build(recipe_path: str | Path, progress: bool = True, output: str | Path | N
             t = time.perf_counter()
             manifest["quality"] = quality_gate(ctx)
             timings["quality_gate"] = time.perf_counter() - t
+            memory["quality_gate"] = sampler.take()
             if bar:
                 bar.advance(task)
         write_manifest(staging, manifest)
@@ -683,7 +707,9 @@ def build(recipe_path: str | Path, progress: bool = True, output: str | Path | N
             "host": {"machine": platform.machine(), "python": sys.version.split()[0], "cpus": os.cpu_count()},
             "recipe_path": str(Path(recipe_path).resolve()),
             "checkpoint_path": str(recipe.checkpoint),
-            "estimates": p.estimates,
+            "estimates": {**p.estimates, "build_peak_by_pass": p.pass_peaks},
+            # peak resident set per pass (sampled every 20 ms) and the process's high-water mark
+            "memory": {**memory, "peak_rss_bytes": status_kb("VmHWM") * 1024},
             **ctx.build_info,  # run-to-run facts of the passes (e.g. autotune timings)
         })
         if final.exists():
@@ -707,7 +733,22 @@ def build(recipe_path: str | Path, progress: bool = True, output: str | Path | N
     return final
 
 
-def _build_draft(recipe: Recipe, out_root: Path, autotune: bool) -> Path:
+def _remove_stale_staging(parent: Path, version: str) -> None:
+    """Remove the staging folders of builds of this version that were killed (their process is gone)."""
+    for stale in parent.glob(f".{version}.staging-*"):
+        pid = stale.name.rsplit("-", 1)[-1]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            log.info("removing %s (the build that wrote it was killed)", stale)
+            shutil.rmtree(stale, ignore_errors=True)
+        except PermissionError:  # another user's live process
+            continue
+
+
+def _build_draft(recipe: Recipe, out_root: Path, autotune: bool, force: bool = False) -> Path:
     """Build the recipe's draft model (module doc) into <out_root>/<name>-draft/<version>."""
     import tempfile
 
@@ -741,7 +782,7 @@ def _build_draft(recipe: Recipe, out_root: Path, autotune: bool) -> Path:
                         + yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
         log.info("building the draft model %s from %s", data["name"], ckpt)
         try:
-            return build(path, progress=False, output=out_root, autotune=autotune)
+            return build(path, progress=False, output=out_root, autotune=autotune, force=force)
         except RecipeError as exc:
             raise BuildError(f"the draft model of {recipe.path}: {exc}") from exc
 

@@ -1,7 +1,10 @@
 """Read a local Hugging Face checkpoint: config, (sharded) safetensors weights, tokenizer files.
 
 `inspect_checkpoint` reads only `config.json` and the safetensors headers (no weights), so a
-dry run can check the source in milliseconds. `load_weights` reads the tensors. `source_sha256`
+dry run can check the source in milliseconds; it also checks that every tensor lies inside its shard
+(a truncated shard is named with its first tensor past the end). `lazy_weights` reads one tensor at
+a time when it is asked for (positioned reads, no memory map: a build holds one tensor of the
+checkpoint at a time); `load_weights` reads them all. `source_sha256`
 hashes the config and every weight file for the manifest's provenance. The EOS ids are those of
 `generation_config.json` where it sets them (what transformers' `generate` stops on), else config.json's.
 """
@@ -12,6 +15,7 @@ import hashlib
 import json
 import logging
 import struct
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -301,6 +305,8 @@ class CheckpointInfo:
     weight_files: tuple[Path, ...]
     tensors: dict[str, tuple[str, tuple[int, ...]]] = field(repr=False)  # name -> (dtype, shape)
     tokenizer_files: tuple[Path, ...] = ()
+    # name -> (shard, first byte, end byte) in the file
+    locations: dict[str, tuple[Path, int, int]] = field(default_factory=dict, repr=False)
 
     @property
     def num_parameters(self) -> int:
@@ -370,6 +376,7 @@ def weight_files(path: Path) -> tuple[Path, ...]:
 
 
 def _safetensors_header(file: Path) -> dict[str, Any]:
+    """The header's tensor entries, each with "_start" / "_end": the data's absolute byte range in `file`."""
     with file.open("rb") as f:
         raw = f.read(8)
         if len(raw) != 8:
@@ -377,8 +384,30 @@ def _safetensors_header(file: Path) -> dict[str, Any]:
         (n,) = struct.unpack("<Q", raw)
         if n > 100 * 1024 * 1024:
             raise CheckpointError(f"{file}: implausible safetensors header size {n}")
-        header = json.loads(f.read(n))
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{file}: corrupt safetensors header ({e})") from e
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{file}: corrupt safetensors header (not a JSON object)")
     header.pop("__metadata__", None)
+    size = file.stat().st_size
+    for name, meta in header.items():
+        try:
+            begin, end = (int(x) for x in meta["data_offsets"])
+            dtype, shape = meta["dtype"], [int(d) for d in meta["shape"]]
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{file}: tensor {name!r}: corrupt header entry ({e})") from e
+        nbytes = _DTYPE_BYTES.get(dtype, 0)
+        for d in shape:
+            nbytes *= d
+        if dtype in _DTYPE_BYTES and end - begin != nbytes:
+            raise CheckpointError(f"{file}: tensor {name!r}: {end - begin} bytes stored for {dtype} {shape} "
+                                  f"({nbytes} expected): corrupt header")
+        if 8 + n + end > size:
+            raise CheckpointError(f"{file}: truncated: tensor {name!r} ends at byte {8 + n + end}, the file has "
+                                  f"{size} bytes")
+        meta["_start"], meta["_end"] = 8 + n + begin, 8 + n + end
     return header
 
 
@@ -388,25 +417,68 @@ def inspect_checkpoint(path: str | Path, max_model_len: int | None = None) -> Ch
     config = ModelConfig.from_hf(read_config(path), read_generation_config(path), max_model_len)
     files = weight_files(path)
     tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
+    locations: dict[str, tuple[Path, int, int]] = {}
     for f in files:
         for name, meta in _safetensors_header(f).items():
             tensors[name] = (meta["dtype"], tuple(meta["shape"]))
+            locations[name] = (f, meta["_start"], meta["_end"])
     if "model.embed_tokens.weight" not in tensors:
         raise CheckpointError(f"{path}: no tensor 'model.embed_tokens.weight'; not a supported layout")
     tok = tuple(path / n for n in TOKENIZER_FILES if (path / n).is_file())
     if not (path / "tokenizer.json").is_file():
         raise CheckpointError(f"{path}/tokenizer.json is missing (a fast tokenizer file is required)")
-    return CheckpointInfo(path=path, config=config, weight_files=files, tensors=tensors, tokenizer_files=tok)
+    return CheckpointInfo(path=path, config=config, weight_files=files, tensors=tensors, tokenizer_files=tok,
+                          locations=locations)
+
+
+class LazyWeights(Mapping[str, Any]):
+    """The checkpoint's tensors by name, each read from its shard when asked for (a new torch tensor in its
+    stored dtype; nothing is cached): a model loads one tensor at a time."""
+
+    def __init__(self, info: CheckpointInfo) -> None:
+        self.info = info
+
+    def __getitem__(self, name: str) -> Any:
+        import torch
+
+        dtype, shape = self.info.tensors[name]
+        file, begin, end = self.info.locations[name]
+        tdtype = _TORCH_DTYPES.get(dtype)
+        if tdtype is None:
+            raise CheckpointError(f"{file}: tensor {name!r}: dtype {dtype} is not supported")
+        buf = bytearray(end - begin)
+        try:
+            with file.open("rb") as f:
+                f.seek(begin)
+                got = f.readinto(buf)
+        except OSError as e:
+            raise CheckpointError(f"{file}: tensor {name!r}: cannot read ({e})") from e
+        if got != len(buf):  # shortened since inspect_checkpoint looked
+            raise CheckpointError(f"{file}: truncated: tensor {name!r} needs bytes {begin}..{end}, read {got}")
+        if not buf:
+            return torch.empty(shape, dtype=getattr(torch, tdtype))
+        return torch.frombuffer(buf, dtype=getattr(torch, tdtype)).reshape(shape)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.info.tensors)
+
+    def __len__(self) -> int:
+        return len(self.info.tensors)
+
+
+_TORCH_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64", "I64": "int64",
+                 "I32": "int32", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+
+
+def lazy_weights(info: CheckpointInfo) -> LazyWeights:
+    """The tensors read on demand (LazyWeights), in the order of the checkpoint's headers."""
+    return LazyWeights(info)
 
 
 def load_weights(info: CheckpointInfo) -> dict[str, Any]:
     """All tensors as torch tensors (their stored dtype), from every shard."""
-    from safetensors.torch import load_file
-
-    out: dict[str, Any] = {}
-    for f in info.weight_files:
-        out.update(load_file(str(f)))
-    return out
+    weights = lazy_weights(info)
+    return {name: weights[name] for name in weights}
 
 
 def source_sha256(info: CheckpointInfo) -> str:

@@ -81,8 +81,10 @@ def main(verbose: int) -> None:
 @click.option("--no-autotune", is_flag=True,
               help="Choose kernels from a fixed rule table instead of timing candidates on this machine "
                    "(fast, deterministic: the same recipe gives the same bytes).")
+@click.option("--force", is_flag=True,
+              help="Build even when the estimated peak memory exceeds what this machine has available.")
 def build(recipe: Path, dry_run: bool, no_progress: bool, output: Path | None, skip_existing: bool,
-          no_autotune: bool) -> None:
+          no_autotune: bool, force: bool) -> None:
     """Build RECIPE (YAML) into artifacts/<name>/<version>/."""
     from compiler.build import BuildError, RecipeError, plan
     from runtime.artifact import ArtifactError, verify_artifact
@@ -105,7 +107,7 @@ def build(recipe: Path, dry_run: bool, no_progress: bool, output: Path | None, s
         t = time.perf_counter()
         try:
             out = run_build(recipe, progress=not no_progress and sys.stderr.isatty(), output=output,
-                            autotune=not no_autotune)
+                            autotune=not no_autotune, force=force)
         except QualityGateError as e:
             _fail(f"{e}\nno artifact was written")
             return
@@ -143,6 +145,17 @@ def _print_plan(p: Plan) -> None:
     ]
     for label, n in rows:
         click.echo(f"  {label:<62} {_fmt_bytes(n):>12}")
+    from compiler.memory import check_memory, mem_available
+
+    available = mem_available()
+    click.echo("build memory (estimated peak resident set per pass)")
+    for name, n in p.pass_peaks.items():
+        click.echo(f"  {name:<62} {_fmt_bytes(n):>12}")
+    if available is not None:
+        click.echo(f"  {'available (MemAvailable)':<62} {_fmt_bytes(available):>12}")
+    problem = check_memory(p.pass_peaks)
+    if problem is not None:
+        click.echo(f"warning: {problem}")
     click.echo("plan ok (dry run: nothing built)")
 
 

@@ -23,6 +23,7 @@ targets) calls optimize::paged_attention_flashinfer, FlashInfer's kernels on CUD
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -382,6 +383,21 @@ class LlamaForwardBatchModel(nn.Module):
         if cfg.local_rope_theta is not None:
             self.register_buffer("inv_freq_local", rope_inv_freq(local_rope_config(cfg)), persistent=False)
 
+    @classmethod
+    def without_weights(cls, cfg: ModelConfig, block_size: int, attention: str = "decomposed") -> LlamaForwardBatchModel:
+        """The model with uninitialised parameter storage (no random init: load_hf_state_dict fills every
+        parameter) and its RoPE frequency buffers computed as __init__ does."""
+        with torch.device("meta"):
+            model = cls(cfg, block_size, attention)
+        model = model.to_empty(device="cpu")
+        buffers = {name for name, _ in model.named_buffers()}
+        if not buffers <= {"inv_freq", "inv_freq_local"}:  # a new buffer must be computed here too
+            raise AssertionError(f"buffers without a value: {sorted(buffers - {'inv_freq', 'inv_freq_local'})}")
+        model.inv_freq = rope_inv_freq(cfg)
+        if cfg.local_rope_theta is not None:
+            model.inv_freq_local = rope_inv_freq(local_rope_config(cfg))
+        return model
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -465,7 +481,7 @@ class LlamaForwardBatchModel(nn.Module):
             return name
         return "model." + name
 
-    def load_hf_state_dict(self, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> list[str]:
+    def load_hf_state_dict(self, weights: Mapping[str, torch.Tensor], dtype: torch.dtype) -> list[str]:
         """Copy Hugging Face tensors in by name; returns the HF names that were not used."""
         weights = normalize_expert_weights(self.cfg, split_fused_weights(self.cfg, weights))
         used: set[str] = set()

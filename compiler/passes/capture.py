@@ -87,12 +87,12 @@ class CapturePass(Pass):
 
     name: ClassVar[str] = "capture"
     Config = CaptureOptions
-    summary = "load weights into the model definition; torch.export with dynamic ForwardBatch shapes"
+    summary = "load weights into the model definition (one tensor at a time); torch.export with dynamic ForwardBatch shapes"
 
     def run(self, ctx: BuildContext) -> dict[str, Any]:
         import torch
 
-        from compiler.checkpoint import load_weights
+        from compiler.checkpoint import lazy_weights
         from compiler.models.llama import LlamaForwardBatchModel
 
         target = ctx.recipe.target
@@ -105,8 +105,9 @@ class CapturePass(Pass):
         dtype = getattr(torch, target.dtype)
         torch.manual_seed(0)
         variant = attention_variant(ctx)
-        model = LlamaForwardBatchModel(cfg, block_size, attention=variant)
-        unused = model.load_hf_state_dict(load_weights(ctx.checkpoint), dtype)
+        # parameters allocated once, each filled from its checkpoint tensor as it is read (one at a time)
+        model = LlamaForwardBatchModel.without_weights(cfg, block_size, attention=variant)
+        unused = model.load_hf_state_dict(lazy_weights(ctx.checkpoint), dtype)
         if unused:
             log.info("checkpoint tensors not used by the model definition: %s", ", ".join(unused[:8]))
         model.eval()

@@ -3,7 +3,7 @@
 The quantized tensors are data (STYLE 11): per weight name, the codes, scales and zero points the
 artifact stores, plus how activations and the KV cache are quantized. The torch model holds the
 dequantized weights, so our model definition computes what the artifact computes; the unquantized
-model is kept as ctx.artifacts["reference_model"] for the quality gate.
+model is kept as ctx.artifacts["reference_model"] for the quality gate (when the recipe has one).
 """
 
 from __future__ import annotations
@@ -69,7 +69,8 @@ def begin(ctx: BuildContext, by: str, weights: bool = True) -> nn.Module:
     model = ctx.require("model", by)
     if "lower_onnx" in ctx.completed:
         raise BuildError(f"pass {by!r} must run before lower_onnx (it changes the weights that are lowered)")
-    if "reference_model" not in ctx.artifacts:
+    # the quality gate's reference (a second copy of the weights): kept only when the gate will evaluate
+    if "reference_model" not in ctx.artifacts and ctx.recipe.quality.eval_data is not None:
         ctx.artifacts["reference_model"] = copy.deepcopy(model)
     st = quant_state(ctx)
     if weights and st.weight_method is not None:

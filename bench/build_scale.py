@@ -1,0 +1,236 @@
+"""Build memory and time at the sizes users bring: random Llama checkpoints, one build per row.
+
+Each row makes (or reuses) a random Llama checkpoint of a public shape (bf16 safetensors, sharded at
+2 GB, the demo tokenizer: vocab 4096, as TinyLlama's shape with a small vocabulary), runs
+`optimize build --no-autotune` on it in a subprocess and samples the process's VmRSS every 50 ms
+(VmHWM at the end), killing the build when it passes `--limit-gb`. Beside it: the dry run's estimate of
+the build's peak (compiler/memory.py) and the per-pass peaks the build itself recorded in build.json.
+
+    PYTHONPATH=$PWD python bench/build_scale.py --shapes 100m,1b --methods rtn --out /tmp/bigmodels
+
+Prints a table and writes JSON (bench/results/build_scale.json by default). Run it on a quiet machine;
+the wall time includes Python and torch start-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO_MODEL = ROOT / "models" / "pycode-llama-6m"
+
+# hidden, layers, heads, kv heads, intermediate (vocab 4096: the demo tokenizer's)
+SHAPES: dict[str, dict[str, int]] = {
+    "25m": dict(hidden_size=512, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4,
+                intermediate_size=1408),
+    "100m": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
+                 intermediate_size=2048),
+    "300m": dict(hidden_size=1024, num_hidden_layers=20, num_attention_heads=16, num_key_value_heads=4,
+                 intermediate_size=2816),
+    "1b": dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
+               intermediate_size=5632),  # TinyLlama-1.1B
+    "3b": dict(hidden_size=3072, num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8,
+               intermediate_size=8192),  # Llama-3.2-3B
+    "8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+               intermediate_size=14336),  # Llama-3.1-8B
+}
+VOCAB = 4096
+SHARD_BYTES = 2 << 30
+
+METHODS = {
+    "rtn": "  - name: quantize_rtn\n    options: {group_size: 128, ignore: [lm_head]}\n",
+    "fp32": "",
+}
+
+
+def _tensor_shapes(shape: dict[str, int]) -> list[tuple[str, tuple[int, ...]]]:
+    h, inter = shape["hidden_size"], shape["intermediate_size"]
+    head_dim = h // shape["num_attention_heads"]
+    kv = shape["num_key_value_heads"] * head_dim
+    out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (VOCAB, h))]
+    for i in range(shape["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        out += [(f"{p}.input_layernorm.weight", (h,)), (f"{p}.self_attn.q_proj.weight", (h, h)),
+                (f"{p}.self_attn.k_proj.weight", (kv, h)), (f"{p}.self_attn.v_proj.weight", (kv, h)),
+                (f"{p}.self_attn.o_proj.weight", (h, h)), (f"{p}.post_attention_layernorm.weight", (h,)),
+                (f"{p}.mlp.gate_proj.weight", (inter, h)), (f"{p}.mlp.up_proj.weight", (inter, h)),
+                (f"{p}.mlp.down_proj.weight", (h, inter))]
+    out += [("model.norm.weight", (h,)), ("lm_head.weight", (VOCAB, h))]
+    return out
+
+
+def write_random_llama(out: Path, shape_name: str, seed: int = 0) -> Path:
+    """A random Llama checkpoint of `shape_name` in `out` (bf16 safetensors, shards of 2 GB, the demo
+    tokenizer), written one shard at a time (memory: one shard). Reused when `out` already holds one."""
+    import torch
+    from safetensors.torch import save_file
+
+    shape = SHAPES[shape_name]
+    if (out / "config.json").is_file():
+        return out
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    g = torch.Generator().manual_seed(seed)
+    shards: list[dict[str, Any]] = [{}]
+    size = 0
+    names = _tensor_shapes(shape)
+    weight_map: dict[str, str] = {}
+    total = sum(math.prod(s) * 2 for _, s in names)
+    n_shards = max(1, math.ceil(total / SHARD_BYTES))
+
+    def flush(index: int) -> None:
+        fname = "model.safetensors" if n_shards == 1 else f"model-{index + 1:05d}-of-{n_shards:05d}.safetensors"
+        for k in shards[-1]:
+            weight_map[k] = fname
+        save_file(shards[-1], str(tmp / fname), metadata={"format": "pt"})
+        shards[-1] = {}
+
+    index = 0
+    for name, s in names:
+        nbytes = math.prod(s) * 2
+        if size and size + nbytes > SHARD_BYTES and index < n_shards - 1:
+            flush(index)
+            index += 1
+            size = 0
+        if len(s) == 1:
+            t = 1.0 + 0.1 * torch.randn(s, generator=g)
+        else:
+            t = 0.02 * torch.randn(s, generator=g)
+        shards[-1][name] = t.to(torch.bfloat16)
+        size += nbytes
+    flush(index)
+    if n_shards > 1:
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2), encoding="utf-8")
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+              "vocab_size": VOCAB, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+              "rope_theta": 10000.0, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2,
+              "tie_word_embeddings": False, "torch_dtype": "bfloat16", **shape}
+    (tmp / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        shutil.copyfile(DEMO_MODEL / f, tmp / f)
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return out
+
+
+def write_recipe(folder: Path, checkpoint: Path, method: str, name: str) -> Path:
+    """The build of the scale check: INT4 RTN (g128, lm_head kept) or fp32, ONNX Runtime CPU."""
+    text = (f"name: {name}\nversion: 1.0.0\nsource:\n  checkpoint: {checkpoint}\n"
+            "target:\n  backend: onnxruntime\n  device: cpu\n  dtype: float32\n"
+            "passes:\n  - name: select_attention\n  - name: capture\n" + METHODS[method]
+            + "  - name: lower_onnx\n" + ("  - name: lower_quant\n" if METHODS[method] else "")
+            + "  - name: fuse\n  - name: package\n"
+            "runtime:\n  kv_block_size: 16\n  num_kv_blocks: 256\n  max_num_seqs: 8\n"
+            "  max_num_batched_tokens: 256\n  max_model_len: 1024\n"
+            f"output: {folder / 'artifacts'}\n")
+    path = folder / f"{name}.yaml"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def _status_kb(pid: int, field: str) -> int:
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def run_measured(cmd: list[str], limit_bytes: int, env: dict[str, str] | None = None,
+                 interval: float = 0.05) -> dict[str, Any]:
+    """Run `cmd`, sampling its VmRSS; kill it past `limit_bytes`. Returns rc, peak (sampled max and the
+    kernel's VmHWM at exit), wall time, whether it was killed, and the output's tail."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+    peak = hwm = 0
+    killed = False
+    out: list[str] = []
+    reader = threading.Thread(target=lambda: out.extend(proc.stdout or []), daemon=True)
+    reader.start()
+    while proc.poll() is None:
+        rss = _status_kb(proc.pid, "VmRSS") * 1024
+        hwm = max(hwm, _status_kb(proc.pid, "VmHWM") * 1024)
+        peak = max(peak, rss)
+        if rss > limit_bytes:
+            proc.kill()
+            killed = True
+            break
+        time.sleep(interval)
+    rc = proc.wait()
+    reader.join(timeout=10)
+    return {"rc": rc, "peak_rss_bytes": max(peak, hwm), "sampled_rss_bytes": peak, "wall_s": time.perf_counter() - t0,
+            "killed_at_limit": killed, "output_tail": "".join(out)[-3000:]}
+
+
+def _gb(n: float | None) -> str:
+    return "—" if not n else f"{n / 1e9:.2f}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="100m", help=f"comma-separated, of {', '.join(SHAPES)}")
+    ap.add_argument("--methods", default="rtn", help=f"comma-separated, of {', '.join(METHODS)}")
+    ap.add_argument("--out", type=Path, default=Path("/tmp/bigmodels"), help="checkpoints and artifacts")
+    ap.add_argument("--limit-gb", type=float, default=6.0, help="kill a build whose RSS passes this")
+    ap.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "build_scale.json")
+    a = ap.parse_args()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    rows = []
+    for shape in a.shapes.split(","):
+        ckpt = write_random_llama(a.out / f"llama-{shape}", shape)
+        for method in a.methods.split(","):
+            work = a.out / f"build-{shape}-{method}"
+            shutil.rmtree(work, ignore_errors=True)
+            work.mkdir(parents=True)
+            recipe = write_recipe(work, ckpt, method, f"scale-{shape}-{method}")
+            dry = subprocess.run([sys.executable, "-m", "compiler.cli", "build", str(recipe), "--dry-run"],
+                                 capture_output=True, text=True, env=env)
+            estimate = None
+            for line in dry.stdout.splitlines():
+                if line.strip().startswith("build peak"):
+                    estimate = float(line.split()[-2]) * {"GiB": 2**30, "MiB": 2**20}.get(line.split()[-1], 0)
+            r = run_measured([sys.executable, "-m", "compiler.cli", "build", str(recipe), "--no-autotune",
+                              "--no-progress", "--force"], int(a.limit_gb * 1e9), env=env)
+            passes: dict[str, Any] = {}
+            info = work / "artifacts" / f"scale-{shape}-{method}" / "1.0.0" / "build.json"
+            if info.is_file():
+                passes = json.loads(info.read_text()).get("memory", {})
+            row = {"shape": shape, "method": method, "estimate_bytes": estimate, **r, "per_pass": passes}
+            rows.append(row)
+            status = "ok" if r["rc"] == 0 else ("killed at limit" if r["killed_at_limit"] else f"rc {r['rc']}")
+            print(f"{shape:>5} {method:>4}: peak {_gb(r['peak_rss_bytes'])} GB, estimate {_gb(estimate)} GB, "
+                  f"{r['wall_s']:.0f} s, {status}", flush=True)
+            if r["rc"] != 0 and not r["killed_at_limit"]:
+                print(r["output_tail"], file=sys.stderr)
+            shutil.rmtree(work / "artifacts", ignore_errors=True)
+    print(f"\n{'shape':>6} {'method':>6} {'peak GB':>8} {'dry-run GB':>10} {'ratio':>6} {'wall s':>7}")
+    for r in rows:
+        ratio = f"{r['estimate_bytes'] / r['peak_rss_bytes']:.2f}" if r["estimate_bytes"] else "—"
+        print(f"{r['shape']:>6} {r['method']:>6} {_gb(r['peak_rss_bytes']):>8} {_gb(r['estimate_bytes']):>10} "
+              f"{ratio:>6} {r['wall_s']:>7.0f}")
+    a.json.parent.mkdir(parents=True, exist_ok=True)
+    a.json.write_text(json.dumps({"host": {"machine": platform.machine(), "cpus": os.cpu_count(),
+                                           "processor": platform.processor()},
+                                  "rows": [{k: v for k, v in r.items() if k != "output_tail"} for r in rows]},
+                                 indent=2) + "\n", encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()

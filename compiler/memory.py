@@ -1,0 +1,205 @@
+"""Build memory: the peak RSS each pass reached (measured) and the peak each pass will need (estimated).
+
+`RssSampler` samples the process's resident set (VmRSS, /proc/self/status) on a thread while a pass
+runs; the build records the peaks per pass in build.json ("memory"). `estimate_pass_peaks` gives, from
+the checkpoint's shapes only, the resident set each pass of a recipe will reach: the dry run prints it
+and `build()` refuses to start when the largest exceeds the machine's MemAvailable (`check_memory`),
+naming the estimate, the memory available and the pass, unless forced. The terms are what each pass
+holds at its peak (docs/architecture.md, "Build memory"); the fixed overhead is the interpreter with
+torch, onnx and ONNX Runtime imported, measured on the build machine kind.
+
+`OPTIMIZE_MEMINFO` names a file to read instead of /proc/meminfo (a fake MemAvailable for tests).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from compiler.checkpoint import CheckpointInfo
+    from compiler.recipe import Recipe
+
+log = logging.getLogger(__name__)
+
+GIB = 1 << 30
+MIB = 1 << 20
+# resident set added by the imports (measured: build.json's `memory` of random Llamas of 25M-300M parameters):
+# the interpreter with the compiler before the first pass; torch (capture); onnx, onnxscript and the
+# exporter (lower_onnx); ONNX Runtime (fuse's session)
+START_OVERHEAD = 50 * MIB
+TORCH_OVERHEAD = 425 * MIB
+ONNX_OVERHEAD = 100 * MIB
+ORT_OVERHEAD = 50 * MIB
+FIXED_OVERHEAD = START_OVERHEAD + TORCH_OVERHEAD + ONNX_OVERHEAD + ORT_OVERHEAD
+_FLOAT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def status_kb(field: str, pid: int | str = "self") -> int:
+    """A field of /proc/<pid>/status in kB (VmRSS, VmHWM); 0 where /proc has none."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def mem_available() -> int | None:
+    """MemAvailable of /proc/meminfo (or of the file OPTIMIZE_MEMINFO names), in bytes; None if unknown."""
+    path = Path(os.environ.get("OPTIMIZE_MEMINFO", "/proc/meminfo"))
+    try:
+        text = path.read_text(encoding="ascii")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
+def return_freed_memory() -> None:
+    """Make glibc's malloc give freed blocks back to the kernel: blocks of 256 KiB and more mapped on their own
+    (a fixed threshold: glibc otherwise raises it after the first free, and a build's freed tensors and protobuf
+    buffers then stay in the heap, resident) and free heap pages trimmed. No-op without glibc."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 256 << 10)  # M_MMAP_THRESHOLD
+        libc.mallopt(-1, 1 << 20)  # M_TRIM_THRESHOLD
+    except (OSError, AttributeError):
+        return
+
+
+def trim_heap() -> None:
+    """Collect garbage and hand free heap pages back to the kernel (glibc's malloc_trim); after each pass."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+class RssSampler:
+    """The largest VmRSS seen since the last `take()`, sampled every `interval` seconds on a daemon thread."""
+
+    def __init__(self, interval: float = 0.02) -> None:
+        self.interval = interval
+        self._peak = 0
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            rss = status_kb("VmRSS") * 1024
+            with self._lock:
+                self._peak = max(self._peak, rss)
+            self._stop.wait(self.interval)
+
+    def take(self) -> int:
+        """The peak since the last call (at least the current RSS); starts the next window."""
+        rss = status_kb("VmRSS") * 1024
+        with self._lock:
+            peak, self._peak = max(self._peak, rss), rss
+        return peak
+
+
+def _quantized_bytes(info: CheckpointInfo, passes: list[Any]) -> tuple[int, int]:
+    """(parameters, stored bytes) of the weights a weight-quantize pass of `passes` replaces."""
+    from compiler.quant.common import module_of
+
+    sizers = [ps for ps in passes if hasattr(ps, "estimated_bytes")]
+    params = stored = 0
+    for name, (_dtype, shape) in info.tensors.items():
+        module, kind = module_of(name, shape)
+        b = next((b for ps in sizers if (b := ps.estimated_bytes(module, shape, kind)) is not None), None)
+        if b is not None:
+            params += math.prod(shape)
+            stored += b
+    return params, stored
+
+
+def estimate_pass_peaks(recipe: Recipe, info: CheckpointInfo, passes: list[Any]) -> dict[str, int]:
+    """The resident set (bytes) at the end of each pass of the build, from the checkpoint's shapes.
+
+    The resident set of a build only grows (what a pass frees is mostly reused by the next, not returned),
+    so each pass adds what it keeps: `capture` the torch imports and W (the model's weights in the target
+    dtype), a quantize pass the unpacked codes of the weights it quantizes (one byte per weight; plus the
+    quality gate's reference copy W), `lower_onnx` the exporter's imports and the ONNX model (a copy of
+    W), `lower_quant` its per-tensor conversions (0.7 W), `fuse` ONNX Runtime and its session of the fused
+    graph (1.5 x the lowered model). The coefficients are measured (build.json's `memory`) on random
+    Llamas of 25M-300M parameters (docs/architecture.md, "Build memory")."""
+    nbytes = _FLOAT_BYTES.get(recipe.target.dtype, 4)
+    weights = info.num_parameters * nbytes
+    q_params, q_stored = _quantized_bytes(info, passes)
+    onnx = weights - q_params * nbytes + q_stored  # the lowered model after lower_quant
+    gate = recipe.quality.eval_data is not None
+    resident = START_OVERHEAD
+    out: dict[str, int] = {}
+    for ps in passes:
+        if ps.name == "capture":
+            resident += TORCH_OVERHEAD + weights
+        elif hasattr(ps, "estimated_bytes"):
+            resident += q_params + (weights if gate else 0)
+        elif ps.name == "lower_onnx":
+            resident += ONNX_OVERHEAD + weights
+        elif ps.name == "lower_quant":
+            resident += int(0.7 * weights)
+        elif ps.name == "fuse":
+            resident += ORT_OVERHEAD + int(1.5 * onnx)
+        out[ps.name] = resident
+    return out
+
+
+def _needs_torch_model(recipe: Recipe, later: list[str], gate: bool) -> bool:
+    """Whether a pass still to run, the torch target's package or the quality gate reads the torch model."""
+    if gate or recipe.target.backend != "onnxruntime":
+        return True
+    return any(n.startswith("quantize_") or n in ("capture", "lower_onnx", "lower_quant", "plan_cuda_graphs")
+               for n in later)
+
+
+def release_torch_model(recipe: Recipe, artifacts: dict[str, Any], later: list[str]) -> bool:
+    """Drop the torch model and its exported program once nothing later reads them; True when dropped."""
+    if "onnx" not in artifacts or "model" not in artifacts:
+        return False
+    if _needs_torch_model(recipe, later, recipe.quality.eval_data is not None):
+        return False
+    for key in ("model", "exported", "example_inputs"):
+        artifacts.pop(key, None)
+    return True
+
+
+def check_memory(estimates: dict[str, int], force: bool = False) -> str | None:
+    """None when the largest pass estimate fits MemAvailable (or it is unknown, or `force`); else the reason."""
+    if not estimates:
+        return None
+    name, need = max(estimates.items(), key=lambda kv: kv[1])
+    have = mem_available()
+    if have is None or need <= have:
+        return None
+    message = (f"the build needs an estimated {need / GIB:.2f} GiB at pass {name!r}, but this machine has "
+               f"{have / GIB:.2f} GiB available (MemAvailable)")
+    if force:
+        log.warning("%s; building anyway (forced)", message)
+        return None
+    return message + "; use a smaller recipe, free memory, or pass --force to build anyway"
