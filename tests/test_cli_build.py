@@ -245,7 +245,7 @@ def test_a_recipe_without_bounds_says_so_in_inspect_and_verify(tmp_path: Path) -
     want = "no bounds set: nothing gated (the recipe names no quality.eval_data and sets no bounds: nothing to gate)"
     res, _ = run_cli("inspect", artifact)
     assert res.returncode == 0, res.stderr
-    assert [ln.split(None, 1)[1] for ln in res.stdout.splitlines() if ln.startswith("quality ")] == [want]
+    assert [ln for ln in res.stdout.splitlines() if ln.startswith("quality")] == [f"quality: {want}"]
     res, _ = run_cli("verify", artifact)
     assert res.returncode == 0, res.stderr
     assert res.stdout.splitlines()[-1] == f"quality: {want}"
