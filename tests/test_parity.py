@@ -119,11 +119,17 @@ def hf_logits(model: transformers.PreTrainedModel, ids: list[int]) -> np.ndarray
 
 
 def hf_greedy(model: transformers.PreTrainedModel, ids: list[int], n: int) -> list[int]:
+    # generate must neither stop at an EOS id nor suppress it (as min_new_tokens would), like the engine's
+    # ignore_eos requests it is compared with; eos_token_id=None alone is filled in from the model's own
+    # generation config, so that goes too
     cfg = transformers.GenerationConfig(max_new_tokens=n, min_new_tokens=0, do_sample=False,
                                         eos_token_id=None, pad_token_id=2)
+    model.generation_config.eos_token_id = None
     with torch.no_grad():
         out = model.generate(torch.tensor([ids]), generation_config=cfg)
-    return out[0, len(ids):].tolist()
+    got = out[0, len(ids):].tolist()
+    assert len(got) == n, f"transformers generated {len(got)} of {n} tokens"
+    return got
 
 
 def chunked_logits(engine: LLMEngine, ids: list[int], cuts: list[int]) -> np.ndarray:
