@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from compiler.memory import status_kb
+
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_MODEL = ROOT / "models" / "pycode-llama-6m"
 
@@ -142,17 +144,6 @@ def write_recipe(folder: Path, checkpoint: Path, method: str, name: str) -> Path
     return path
 
 
-def _status_kb(pid: int, field: str) -> int:
-    try:
-        with open(f"/proc/{pid}/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
-
-
 def run_measured(cmd: list[str], limit_bytes: int, env: dict[str, str] | None = None,
                  interval: float = 0.05) -> dict[str, Any]:
     """Run `cmd`, sampling its VmRSS; kill it past `limit_bytes`. Returns rc, peak (sampled max and the
@@ -165,8 +156,8 @@ def run_measured(cmd: list[str], limit_bytes: int, env: dict[str, str] | None = 
     reader = threading.Thread(target=lambda: out.extend(proc.stdout or []), daemon=True)
     reader.start()
     while proc.poll() is None:
-        rss = _status_kb(proc.pid, "VmRSS") * 1024
-        hwm = max(hwm, _status_kb(proc.pid, "VmHWM") * 1024)
+        rss = status_kb("VmRSS", proc.pid) * 1024
+        hwm = max(hwm, status_kb("VmHWM", proc.pid) * 1024)
         peak = max(peak, rss)
         if rss > limit_bytes:
             proc.kill()

@@ -22,7 +22,6 @@ import json
 import os
 import platform
 import random
-import socket
 import statistics
 import threading
 import time
@@ -34,24 +33,12 @@ import zmq
 from runtime.core import reference
 from runtime.core._cwrap import Scheduler as CScheduler
 from runtime.engine import LLMEngine
-from runtime.kv_events import KVEventPublisher
+from runtime.kv_events import KVEventPublisher, free_port_pair
 from runtime.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 N = 64
 
-
-def _free_port_pair() -> int:
-    while True:
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-        with socket.socket() as b:
-            try:
-                b.bind(("127.0.0.1", port + 1))
-                return port
-            except OSError:
-                continue
 
 
 def _engine(artifact: str, events: bool) -> tuple[LLMEngine, KVEventPublisher | None]:
@@ -59,7 +46,7 @@ def _engine(artifact: str, events: bool) -> tuple[LLMEngine, KVEventPublisher | 
     pub = None
     if events:
         engine.scheduler.enable_kv_events()
-        pub = KVEventPublisher(f"tcp://127.0.0.1:{_free_port_pair()}", engine.scheduler_config.block_size)
+        pub = KVEventPublisher(f"tcp://127.0.0.1:{free_port_pair()}", engine.scheduler_config.block_size)
     rng = random.Random(0)
     prefixes = [[rng.randrange(3, engine.vocab_size) for _ in range(160)] for _ in range(8)]
     for i in range(N):

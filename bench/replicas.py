@@ -26,7 +26,6 @@ import os
 import platform
 import random
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,6 +37,7 @@ from typing import Any
 import aiohttp
 from tokenizers import Tokenizer
 
+from runtime.kv_events import free_port_pair
 from runtime.metrics import parse_prometheus
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,18 +45,6 @@ POLICIES = ("round_robin", "cache_aware", "kv_aware")
 WORDS = ("parse", "render", "token", "buffer", "stream", "config", "handler", "cache", "block", "queue",
          "worker", "schedule", "request", "reply", "tensor", "layer", "weight", "shape", "index", "batch")
 
-
-def free_port_pair() -> int:
-    while True:
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-        with socket.socket() as b:
-            try:
-                b.bind(("127.0.0.1", port + 1))
-                return port
-            except OSError:
-                continue
 
 
 def system_prompt(tenant: int, tok: Tokenizer, target: int = 400) -> str:

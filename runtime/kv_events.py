@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import socket
 import threading
 import time
 from collections import deque
@@ -188,3 +189,17 @@ class KVEventPublisher:
                 if seq >= start:
                     self._replay.send_multipart([ident, b"", seq.to_bytes(8, "big", signed=True), payload])
             self._replay.send_multipart([ident, b"", END_SEQ, b""])
+
+
+def free_port_pair(host: str = "127.0.0.1") -> int:
+    """A free TCP port P on `host` whose P + 1 is free too: the PUB socket of --kv-events and its replay socket."""
+    while True:
+        with socket.socket() as a:
+            a.bind((host, 0))
+            port = a.getsockname()[1]
+        with socket.socket() as b:
+            try:
+                b.bind((host, port + 1))
+                return port
+            except OSError:
+                continue
