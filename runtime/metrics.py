@@ -179,23 +179,19 @@ class _SnapshotCollector(Collector):
         total = s.kv_blocks_used + s.kv_blocks_free
         usage = s.kv_blocks_used / total if total else 0.0
 
+        def twins(kind: type, name: str, doc: str, value: float, vllm: str | None) -> Iterator[Metric]:
+            """The optimize_* series, and its vLLM-named twin (with the `engine` label) where there is one."""
+            for metric, labels, label_values in ((name, names, values), (vllm, vnames, vvalues)):
+                if metric is not None:
+                    f = kind(metric, doc, labels=labels)
+                    f.add_metric(label_values, value)
+                    yield f
+
         def gauge(name: str, doc: str, value: float, vllm: str | None = None) -> Iterator[Metric]:
-            g = GaugeMetricFamily(name, doc, labels=names)
-            g.add_metric(values, value)
-            yield g
-            if vllm is not None:
-                v = GaugeMetricFamily(vllm, doc, labels=vnames)
-                v.add_metric(vvalues, value)
-                yield v
+            return twins(GaugeMetricFamily, name, doc, value, vllm)
 
         def counter(name: str, doc: str, value: float, vllm: str | None = None) -> Iterator[Metric]:
-            c = CounterMetricFamily(name, doc, labels=names)
-            c.add_metric(values, value)
-            yield c
-            if vllm is not None:
-                v = CounterMetricFamily(vllm, doc, labels=vnames)
-                v.add_metric(vvalues, value)
-                yield v
+            return twins(CounterMetricFamily, name, doc, value, vllm)
 
         p = "optimize_"
         yield from gauge(p + "num_requests_running", "Requests in the running batch.", s.running,
