@@ -23,7 +23,7 @@ from runtime.engine import LLMEngine
 
 PASSES = ("  - name: select_attention\n  - name: capture\n  - name: lower_onnx\n  - name: fuse\n"
           "  - name: package\n")
-QUALITY = (f"quality:\n  eval_data: {DEMO_MODEL / 'eval.txt'}\n  max_eval_tokens: 4096\n"
+QUALITY = (f"quality:\n  eval_data: {DEMO_MODEL / 'eval.txt'}\n  max_eval_tokens: 2048\n"
            "  max_perplexity_increase_pct: 1.0\n  max_kl_divergence: 0.01\n  min_token_agreement: 0.9\n")
 
 
@@ -44,7 +44,7 @@ def bf16_demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     runtime = ("  kv_block_size: 16\n  num_kv_blocks: 512\n  max_num_seqs: 16\n  max_num_batched_tokens: 512\n"
                "  max_model_len: 1024\n")
     return build(write_recipe(folder, DEMO_MODEL, name="demo-bf16", passes=PASSES, runtime=runtime,
-                              extra=QUALITY, matmul="bfloat16"), progress=False)
+                              extra=QUALITY, matmul="bfloat16"), progress=False, autotune=False)
 
 
 def test_demo_build_records_the_option_and_passes_the_gate(bf16_demo: Path) -> None:

@@ -21,7 +21,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from test_server import API_KEY, ServerProcess, get, post, wait_idle  # noqa: E402
+
+# latency bounds (a stalled client, a flood): measured with nothing else running
+pytestmark = pytest.mark.serial
 
 
 def _raw_request(body: dict[str, Any] | bytes, path: str = "/v1/completions", content_type: str = "application/json",

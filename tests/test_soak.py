@@ -9,8 +9,11 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# the p99 of a quiet phase against a flooded one: measured with nothing else running
+pytestmark = pytest.mark.serial
 
 
 def test_soak_short_setting(demo_artifact: Path, tmp_path: Path) -> None:
