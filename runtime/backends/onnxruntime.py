@@ -92,6 +92,12 @@ class OnnxRuntimeBackend:
         so.enable_cpu_mem_arena = os.environ.get("OPTIMIZE_ORT_ARENA", "0") == "1"
         if not so.enable_cpu_mem_arena and "CPUExecutionProvider" in (providers or ["CPUExecutionProvider"]):
             fix_mmap_threshold()
+        # ONNX Runtime's profiler (every node's kernel time; bench/profile_nodes.py reads it):
+        # OPTIMIZE_ORT_PROFILE=<file prefix>; the trace is written by end_profiling()
+        profile = os.environ.get("OPTIMIZE_ORT_PROFILE")
+        if profile:
+            so.enable_profiling = True
+            so.profile_file_prefix = profile
         self.kv_in_graph = config["graph"].get("kv_write", "runtime") == "graph"
         self.kernel_paths: dict[str, Any] | None = None  # the package's C ops and their code paths, when used
         # the package's C library serves the `optimize` domain (attention, QuantizeRows, MatMulBf16); an
@@ -124,6 +130,11 @@ class OnnxRuntimeBackend:
             self._kv_feeds[f"key_cache.{i}"] = self.k_pools[i]
             self._kv_feeds[f"value_cache.{i}"] = self.v_pools[i]
         log.info("ONNX Runtime session on %s, KV pool %s x %d layers", providers, shape, self.num_layers)
+
+    def end_profiling(self) -> str | None:
+        """Write ONNX Runtime's profile (when OPTIMIZE_ORT_PROFILE enabled it) and return its path."""
+        path = self.session.end_profiling()
+        return path or None
 
     @property
     def kv_cache_bytes(self) -> int:
