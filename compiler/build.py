@@ -40,10 +40,12 @@ from compiler.memory import (
     release_torch_model,
     return_freed_memory,
     status_kb,
+    streaming_reason,
     trim_heap,
 )
 from compiler.passes import PASSES, BuildContext, BuildError, Pass, pass_options
 from compiler.recipe import Recipe, RecipeError, load_recipe
+from compiler.streamed import reset as reset_streamed
 from compiler.targets import supported, target_for
 from runtime.artifact import check_version_unused, write_build_info, write_manifest
 
@@ -62,9 +64,13 @@ class Plan:
     passes: list[Pass]
     estimates: dict[str, int] = field(default_factory=dict)
     pass_peaks: dict[str, int] = field(default_factory=dict)  # estimated peak RSS per pass (compiler/memory.py)
+    # whether the weights stream (compiler/streamed.py) and, when they do not, why the whole model is loaded
+    streamed: bool = False
+    loads_model_because: str | None = None
 
 
-def _estimates(recipe: Recipe, info: CheckpointInfo, passes: list[Pass] | None = None) -> dict[str, int]:
+def _estimates(recipe: Recipe, info: CheckpointInfo, passes: list[Pass] | None = None,
+               streamed: bool = False) -> dict[str, int]:
     cfg = info.config
     rt = recipe.runtime
     nbytes = _DTYPE_BYTES[recipe.target.dtype]
@@ -100,7 +106,7 @@ def _estimates(recipe: Recipe, info: CheckpointInfo, passes: list[Pass] | None =
         "runtime_activation_bytes": activations,
         "runtime_total_bytes": weights + kv + activations,
         # the largest of the passes' estimates (compiler/memory.py)
-        "build_peak_bytes": max(estimate_pass_peaks(recipe, info, passes or []).values(), default=0),
+        "build_peak_bytes": max(estimate_pass_peaks(recipe, info, passes or [], streamed).values(), default=0),
     }
 
 
@@ -149,6 +155,7 @@ def plan(recipe_path: str | Path) -> Plan:
     if "package" not in seen:
         raise recipe.error("passes", "the pass list must end with 'package' (nothing would be written)")
     _check_quantization_order(recipe)
+    streamed, because = _weights_mode(recipe, info, passes)
     for i, ps in enumerate(passes):
         problem = ps.check_recipe(recipe)
         if problem is not None:
@@ -157,7 +164,20 @@ def plan(recipe_path: str | Path) -> Plan:
         if needs is not None and needs() and recipe.calibration is None:
             raise recipe.error(f"passes[{i}].name", f"pass {ps.name!r} needs calibration data: add a 'calibration:' "
                                "section (data: a local .txt or .jsonl file; num_samples, seq_len, seed)")
-    return Plan(recipe, info, passes, _estimates(recipe, info, passes), estimate_pass_peaks(recipe, info, passes))
+    return Plan(recipe, info, passes, _estimates(recipe, info, passes, streamed),
+                estimate_pass_peaks(recipe, info, passes, streamed), streamed, because)
+
+
+def _weights_mode(recipe: Recipe, info: CheckpointInfo, passes: list[Pass]) -> tuple[bool, str | None]:
+    """(streamed, why not) from capture's `weights` option and what the recipe allows (streaming_reason)."""
+    i, capture = next(((i, ps) for i, ps in enumerate(passes) if ps.name == "capture"), (-1, None))
+    mode = getattr(capture.config, "weights", "load") if capture is not None else "load"
+    if mode == "load":
+        return False, "capture's weights: load"
+    reason = streaming_reason(recipe, info)
+    if reason is not None and mode == "stream":
+        raise recipe.error(f"passes[{i}].options.weights", f"weights: stream does not apply to this recipe: {reason}")
+    return reason is None, reason
 
 
 def _check_quantization_order(recipe: Recipe) -> None:
@@ -652,6 +672,7 @@ def build(recipe_path: str | Path, progress: bool = True, output: str | Path | N
     staging.mkdir(parents=True)
     ctx = BuildContext(recipe=recipe, checkpoint=p.checkpoint, staging=staging)
     ctx.artifacts["no_autotune"] = not autotune
+    ctx.artifacts["streamed"] = p.streamed
     timings: dict[str, float] = {}
     memory: dict[str, int] = {}
     sampler = RssSampler()
@@ -708,6 +729,7 @@ def build(recipe_path: str | Path, progress: bool = True, output: str | Path | N
             "recipe_path": str(Path(recipe_path).resolve()),
             "checkpoint_path": str(recipe.checkpoint),
             "estimates": {**p.estimates, "build_peak_by_pass": p.pass_peaks},
+            "weights": "streamed" if p.streamed else f"loaded ({p.loads_model_because})",
             # peak resident set per pass (sampled every 20 ms) and the process's high-water mark
             "memory": {**memory, "peak_rss_bytes": status_kb("VmHWM") * 1024},
             **ctx.build_info,  # run-to-run facts of the passes (e.g. autotune timings)
@@ -715,7 +737,9 @@ def build(recipe_path: str | Path, progress: bool = True, output: str | Path | N
         if final.exists():
             final.rmdir()  # check_version_unused allowed only an empty folder
         staging.rename(final)
+        reset_streamed()
     except BaseException:
+        reset_streamed()
         shutil.rmtree(staging, ignore_errors=True)
         if draft is not None:
             shutil.rmtree(draft, ignore_errors=True)

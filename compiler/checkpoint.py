@@ -459,6 +459,10 @@ class LazyWeights(Mapping[str, Any]):
             return torch.empty(shape, dtype=getattr(torch, tdtype))
         return torch.frombuffer(buf, dtype=getattr(torch, tdtype)).reshape(shape)
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's shape from the shard header (nothing read)."""
+        return tuple(self.info.tensors[name][1])
+
     def __iter__(self) -> Iterator[str]:
         return iter(self.info.tensors)
 

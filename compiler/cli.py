@@ -148,6 +148,9 @@ def _print_plan(p: Plan) -> None:
     from compiler.memory import check_memory, mem_available
 
     available = mem_available()
+    weights = "streamed (read one tensor at a time as the artifact is written)" if p.streamed else \
+        f"loaded (the whole model in memory: {p.loads_model_because})"
+    click.echo(f"build weights {weights}")
     click.echo("build memory (estimated peak resident set per pass)")
     for name, n in p.pass_peaks.items():
         click.echo(f"  {name:<62} {_fmt_bytes(n):>12}")

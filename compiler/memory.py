@@ -36,6 +36,11 @@ TORCH_OVERHEAD = 425 * MIB
 ONNX_OVERHEAD = 100 * MIB
 ORT_OVERHEAD = 50 * MIB
 FIXED_OVERHEAD = START_OVERHEAD + TORCH_OVERHEAD + ONNX_OVERHEAD + ORT_OVERHEAD
+# streamed builds (measured at 100M-1B): package's work per tensor, in units of the largest tensor in float32,
+# and ONNX Runtime's session of the written artifact per byte of its float and its MatMulNBits weights
+STREAM_WORK = 6
+STREAM_SESSION_FLOAT = 0.75
+STREAM_SESSION_QUANTIZED = 1.1
 _FLOAT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
@@ -138,34 +143,69 @@ def _quantized_bytes(info: CheckpointInfo, passes: list[Any]) -> tuple[int, int]
     return params, stored
 
 
-def estimate_pass_peaks(recipe: Recipe, info: CheckpointInfo, passes: list[Any]) -> dict[str, int]:
+# the passes a streamed build runs (the others read or change the weights of the whole model, or run it:
+# plan_cuda_graphs runs each decode bucket in an ONNX Runtime session of the graph in memory)
+STREAMING_PASSES = ("select_attention", "capture", "quantize_rtn", "lower_onnx", "lower_quant", "fuse", "package")
+
+
+def streaming_reason(recipe: Recipe, info: CheckpointInfo) -> str | None:
+    """None when the build can stream its weights (compiler/streamed.py: no pass holds the model's weights,
+    package writes them one tensor at a time); else why it loads the whole model."""
+    t = recipe.target
+    cfg = info.config
+    if (t.backend, t.device, t.dtype) != ("onnxruntime", "cpu", "float32") or t.matmul not in (None, "float32"):
+        return f"target {t.backend}/{t.device}/{t.dtype}{'/' + t.matmul if t.matmul else ''} (streams: onnxruntime/cpu/float32)"
+    if recipe.quality.eval_data is not None:
+        return "the quality gate compares with the float32 model, which it holds"
+    if cfg.num_experts or cfg.architecture == "Phi3ForCausalLM":
+        return f"{cfg.architecture}: its checkpoint tensors are split or regrouped when loaded"
+    others = [spec.name for spec in recipe.passes if spec.name not in STREAMING_PASSES]
+    if others:
+        return f"pass {others[0]!r} reads or changes the weights of the whole model"
+    return None
+
+
+def estimate_pass_peaks(recipe: Recipe, info: CheckpointInfo, passes: list[Any], streamed: bool = False
+                        ) -> dict[str, int]:
     """The resident set (bytes) at the end of each pass of the build, from the checkpoint's shapes.
 
-    The resident set of a build only grows (what a pass frees is mostly reused by the next, not returned),
-    so each pass adds what it keeps: `capture` the torch imports and W (the model's weights in the target
-    dtype), a quantize pass the unpacked codes of the weights it quantizes (one byte per weight; plus the
-    quality gate's reference copy W), `lower_onnx` the exporter's imports and the ONNX model (a copy of
-    W), `lower_quant` its per-tensor conversions (0.7 W), `fuse` ONNX Runtime and its session of the fused
-    graph (1.5 x the lowered model). The coefficients are measured (build.json's `memory`) on random
-    Llamas of 25M-300M parameters (docs/architecture.md, "Build memory")."""
+    Loaded weights: the resident set of a build only grows (what a pass frees is mostly reused by the next,
+    not returned), so each pass adds what it keeps: `capture` the torch imports and W (the model's weights in
+    the target dtype), a quantize pass the unpacked codes of the weights it quantizes (one byte per weight;
+    plus the quality gate's reference copy W), `lower_onnx` the exporter's imports and the ONNX model (a copy
+    of W), `lower_quant` its per-tensor conversions (0.7 W), `fuse` ONNX Runtime and its session of the fused
+    graph (1.5 x the lowered model).
+
+    Streamed weights (compiler/streamed.py): the passes up to fuse add only their imports (the graph holds no
+    weights); package holds the larger of its per-tensor work (STREAM_WORK x the largest checkpoint tensor in
+    float32: the tensor, its quantization's temporaries, the packed result) and ONNX Runtime's session of the
+    written artifact (which reads the file: 0.75 x its float bytes, 1.1 x its MatMulNBits bytes, prepacked).
+
+    The coefficients are measured (build.json's `memory`) on random Llamas of 25M-1B parameters
+    (docs/architecture.md, "Build memory")."""
     nbytes = _FLOAT_BYTES.get(recipe.target.dtype, 4)
     weights = info.num_parameters * nbytes
     q_params, q_stored = _quantized_bytes(info, passes)
     onnx = weights - q_params * nbytes + q_stored  # the lowered model after lower_quant
     gate = recipe.quality.eval_data is not None
+    largest = max((math.prod(shape) for _dtype, shape in info.tensors.values()), default=0) * 4
+    session = int(STREAM_SESSION_FLOAT * (weights - q_params * nbytes) + STREAM_SESSION_QUANTIZED * q_stored)
     resident = START_OVERHEAD
     out: dict[str, int] = {}
     for ps in passes:
         if ps.name == "capture":
-            resident += TORCH_OVERHEAD + weights
+            resident += TORCH_OVERHEAD + (0 if streamed else weights)
         elif hasattr(ps, "estimated_bytes"):
-            resident += q_params + (weights if gate else 0)
+            resident += 0 if streamed else q_params + (weights if gate else 0)
         elif ps.name == "lower_onnx":
-            resident += ONNX_OVERHEAD + weights
+            resident += ONNX_OVERHEAD + (0 if streamed else weights)
         elif ps.name == "lower_quant":
-            resident += int(0.7 * weights)
+            resident += 0 if streamed else int(0.7 * weights)
         elif ps.name == "fuse":
-            resident += ORT_OVERHEAD + int(1.5 * onnx)
+            resident += ORT_OVERHEAD + (0 if streamed else int(1.5 * onnx))
+        elif ps.name == "package" and streamed:
+            out[ps.name] = resident + max(STREAM_WORK * largest, session)
+            continue
         out[ps.name] = resident
     return out
 

@@ -26,6 +26,7 @@ import torch
 from conftest import DEMO_MODEL, make_random_checkpoint, write_recipe
 from test_parity import DEMO_PROMPTS, LOGITS_TOL, chunked_logits, hf_logits, hf_model, prompts_of
 
+from compiler import streamed
 from compiler.build import build
 from compiler.fusion import RULES, check_model, fuse_model
 from runtime import LLM, SamplingParams
@@ -38,10 +39,10 @@ FUSED_TOL = 1e-4  # fused vs. unfused logits (module docstring: what was measure
 
 
 def save_like_package(model: onnx.ModelProto, folder: Path) -> None:
+    """Write as package writes (onnx.save_model's layout; a graph whose weights stream computes them now)."""
     for f in ("model.onnx", "model.onnx.data"):
         (folder / f).unlink(missing_ok=True)
-    onnx.save_model(model, str(folder / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location="model.onnx.data", size_threshold=1024, convert_attribute=False)
+    streamed.save_model(model, folder / "model.onnx", "model.onnx.data", size_threshold=1024)
 
 
 def fused_copy(src: Path, dst: Path, rules: tuple[str, ...] | list[str] = RULES) -> dict:
@@ -63,12 +64,15 @@ def build_both(recipe: Path, unfused: Path) -> Path:
 
     seen: list[onnx.ModelProto] = []
     real = fusion.fuse_model
+    graph = unfused.parent / f"{unfused.name}.graph"
 
     def spy(model: onnx.ModelProto, rules: list[str], rope_cache_rows: int, matmul_bf16: bool = False
             ) -> tuple[onnx.ModelProto, dict]:
         copy = onnx.ModelProto()
         copy.CopyFrom(model)
         seen.append(copy)
+        graph.mkdir()
+        save_like_package(copy, graph)  # now: streamed weights are computed from the build's sources
         return real(model, rules, rope_cache_rows=rope_cache_rows, matmul_bf16=matmul_bf16)
 
     with pytest.MonkeyPatch.context() as mp:
@@ -76,7 +80,9 @@ def build_both(recipe: Path, unfused: Path) -> Path:
         fused = build(recipe, progress=False)
     assert len(seen) == 1
     shutil.copytree(fused, unfused)
-    save_like_package(seen[0], unfused)
+    for f in ("model.onnx", "model.onnx.data"):
+        shutil.move(graph / f, unfused / f)
+    graph.rmdir()
     return fused
 
 

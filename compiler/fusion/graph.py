@@ -11,11 +11,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
-from onnx import TensorProto, numpy_helper
+from onnx import TensorProto
 
+from compiler import streamed
 from compiler.quant.onnx_rules import MS_DOMAIN, Graph, attr
 
-__all__ = ["MS_DOMAIN", "FusionGraph", "RuleReport", "attr", "const_array", "shape_of", "tensor"]
+__all__ = ["MS_DOMAIN", "FusionGraph", "RuleReport", "attr", "const_array", "const_value", "shape_of", "tensor"]
 
 
 @dataclass
@@ -84,11 +85,18 @@ def shape_of(g: FusionGraph, name: str) -> list[int | str | None] | None:
 
 
 def const_array(g: FusionGraph, name: str) -> np.ndarray | None:
-    """The value of an initializer (None when `name` is not a constant initializer)."""
+    """The value of an initializer (None when `name` is not a constant initializer; a streamed one is
+    computed: for the small constants rules read, not for weights)."""
     init = g.inits.get(name)
-    return None if init is None else numpy_helper.to_array(init)
+    return None if init is None else streamed.array_of(init)
 
 
-def tensor(array: np.ndarray, name: str) -> TensorProto:
-    return numpy_helper.from_array(np.ascontiguousarray(array), name)
+def const_value(g: FusionGraph, name: str) -> np.ndarray | streamed.Deferred | None:
+    """An initializer's array, or its Deferred when it is streamed (not computed)."""
+    init = g.inits.get(name)
+    return None if init is None else streamed.value_of(init)
+
+
+def tensor(array: np.ndarray | streamed.Deferred, name: str) -> TensorProto:
+    return streamed.tensor(array, name)
 

@@ -140,6 +140,7 @@ def _onnxscript_rules(model: onnx.ModelProto, enabled: list[str], reports: dict[
     import onnx_ir as ir
 
     from compiler.fusion.norm import fuse_rms, fuse_skip_rms
+    from compiler.streamed import is_streamed
 
     irm = ir.serde.deserialize_model(model)
     if "rms_norm" in enabled:
@@ -150,8 +151,13 @@ def _onnxscript_rules(model: onnx.ModelProto, enabled: list[str], reports: dict[
         else:
             reports["skip_rms_norm"].fired = fuse_skip_rms(irm)
     out = ir.serde.serialize_model(irm)
-    # keep what the onnx_ir round trip does not need to change
+    # keep what the onnx_ir round trip does not need to change: producer, and the streamed placeholders as
+    # they were (onnx_ir rewrites external tensors' fields; it keeps in-memory ones verbatim)
     out.producer_name, out.producer_version = model.producer_name, model.producer_version
+    placeholders = {t.name: t for t in model.graph.initializer if is_streamed(t)}
+    for t in out.graph.initializer:
+        if t.name in placeholders:
+            t.CopyFrom(placeholders[t.name])
     return out
 
 
@@ -192,9 +198,14 @@ def check_model(model: onnx.ModelProto, onnxruntime_session: bool = True) -> dic
     the default domain, is checked as a contrib op. Raises on failure; returns what was checked."""
     if model.ByteSize() >= 2**31 - 1:  # protobuf limit: both checks need the model serialized in memory
         return {"skipped": "model over 2 GiB in memory: onnx.checker and the session check need a file"}
+    from compiler.streamed import checkable, streamed_count
+
     with _contrib_domain(model):
-        onnx.checker.check_model(model, full_check=True)
+        onnx.checker.check_model(checkable(model), full_check=True)
     out: dict[str, Any] = {"onnx_checker": "full_check (contrib ops: not in onnx's schema set)"}
+    if onnxruntime_session and streamed_count(model):  # no weights in memory: package loads the written file
+        out["onnxruntime_session"] = "loaded by package from the written artifact (streamed weights)"
+        return out
     if onnxruntime_session:
         import onnxruntime as ort
 

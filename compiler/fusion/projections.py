@@ -31,7 +31,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from compiler.fusion.graph import MS_DOMAIN, FusionGraph, RuleReport, attr, const_array, tensor
+from compiler import streamed
+from compiler.fusion.graph import MS_DOMAIN, FusionGraph, RuleReport, attr, const_value, tensor
 
 ROLES: dict[str, tuple[str, ...]] = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
 FUSED_NAME = {"qkv": "qkv_proj", "gate_up": "gate_up_proj"}
@@ -180,7 +181,9 @@ def fuse_projections(g: FusionGraph, rule: str) -> RuleReport:
 
 
 def _concat_inits(g: FusionGraph, names: list[str], axis: int, out: str) -> str:
-    arrays = [const_array(g, n) for n in names]
+    arrays = [const_value(g, n) for n in names]
+    if any(isinstance(a, streamed.Deferred) for a in arrays):  # weights not in memory: joined when written
+        return g.add_init(tensor(streamed.concatenate(arrays, axis), g.unique(out)))
     return g.add_init(tensor(np.concatenate(arrays, axis=axis), g.unique(out)))  # type: ignore[arg-type]
 
 

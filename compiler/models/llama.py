@@ -23,7 +23,7 @@ targets) calls optimize::paged_attention_flashinfer, FlashInfer's kernels on CUD
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -136,6 +136,13 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         is_medium = ~(wavelen < high_wl) * ~(wavelen > low_wl)
         return torch.where(is_medium, smoothed, inv_l)
     raise ValueError(f"unsupported RoPE scaling {kind!r}")
+
+
+def hf_value(cfg: ModelConfig, name: str, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Parameter `name`'s value in `dtype` from its checkpoint tensor `w` (as load_hf_state_dict copies it)."""
+    if cfg.norm_weight_offset and name.endswith("norm.weight"):  # Gemma stores w - 1
+        w = w.to(torch.float32) + cfg.norm_weight_offset
+    return w.to(dtype)
 
 
 def split_fused_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -481,11 +488,16 @@ class LlamaForwardBatchModel(nn.Module):
             return name
         return "model." + name
 
-    def load_hf_state_dict(self, weights: Mapping[str, torch.Tensor], dtype: torch.dtype) -> list[str]:
-        """Copy Hugging Face tensors in by name; returns the HF names that were not used."""
+    def load_hf_state_dict(self, weights: Mapping[str, torch.Tensor], dtype: torch.dtype,
+                           defer: Callable[[str, torch.nn.Parameter], bool] | None = None) -> list[str]:
+        """Copy Hugging Face tensors in by name; returns the HF names that were not used.
+
+        Parameters for which `defer(name, param)` is true are not read: their checkpoint names go to
+        `self.deferred_sources` (parameter -> tensor) and `hf_value` gives their values later."""
         weights = normalize_expert_weights(self.cfg, split_fused_weights(self.cfg, weights))
         used: set[str] = set()
         missing: list[str] = []
+        self.deferred_sources: dict[str, str] = {}
         with torch.no_grad():
             for name, param in self.named_parameters():
                 src = self.hf_name(name)
@@ -496,17 +508,22 @@ class LlamaForwardBatchModel(nn.Module):
                 if src not in weights:
                     missing.append(src)
                     continue
-                w = weights[src]
-                if tuple(w.shape) != tuple(param.shape):
-                    raise ValueError(f"tensor {src}: shape {tuple(w.shape)} != expected {tuple(param.shape)}")
-                if self.cfg.norm_weight_offset and name.endswith("norm.weight"):  # Gemma stores w - 1
-                    w = w.to(torch.float32) + self.cfg.norm_weight_offset
-                param.copy_(w.to(dtype))
+                shape = weights.shape(src) if hasattr(weights, "shape") else tuple(weights[src].shape)
+                if tuple(shape) != tuple(param.shape):
+                    raise ValueError(f"tensor {src}: shape {tuple(shape)} != expected {tuple(param.shape)}")
                 used.add(src)
+                if defer is not None and defer(name, param):
+                    self.deferred_sources[name] = src
+                    continue
+                param.copy_(self.hf_value(name, weights[src], dtype))
         if missing:
             raise ValueError(f"checkpoint lacks tensors: {', '.join(missing[:8])}")
         self.cast(dtype)
         return sorted(set(weights) - used - {"lm_head.weight"})
+
+    def hf_value(self, name: str, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Parameter `name`'s value in `dtype` from its checkpoint tensor `w`."""
+        return hf_value(self.cfg, name, w, dtype)
 
     def cast(self, dtype: torch.dtype) -> None:
         """Parameters to `dtype`; the RoPE frequencies stay float32 (the angles are computed in float32)."""

@@ -10,18 +10,28 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from compiler.passes.base import BuildContext, BuildError, Pass
 from compiler.targets import supported, target_for
 
 log = logging.getLogger(__name__)
 
+# a streamed build loads the parameters up to this many elements (norms, biases: what the exporter's
+# constant folding may read: onnxscript folds inputs of at most 8192 elements) and defers the others
+STREAM_MAX_LOADED = 1 << 14
 
 
 @dataclass(frozen=True)
 class CaptureOptions:
     strict: bool = False  # torch.export strict mode (TorchDynamo); non-strict traces in Python
+    # stream: large weights are not loaded; the artifact writer reads them one at a time (compiler/streamed.py);
+    # load: the whole model in memory; auto: stream where the recipe allows (compiler/memory.py streaming_reason)
+    weights: Literal["auto", "stream", "load"] = "auto"
+
+    def __post_init__(self) -> None:
+        if self.weights not in ("auto", "stream", "load"):
+            raise ValueError(f"weights must be auto, stream or load, got {self.weights!r}")
 
 
 def graph_io_names(num_layers: int) -> tuple[list[str], list[str]]:
@@ -82,6 +92,30 @@ def export_forward_batch(model: Any, cfg: Any, block_size: int, dtype: Any, stri
         return torch.export.export(model, args, dynamic_shapes=dynamic, strict=strict), args
 
 
+def deferred_params(model: Any, weights: Any, dtype: Any) -> dict[str, tuple[int, Any]]:
+    """Parameter name -> (its storage address, a Deferred reading its value from the checkpoint) for the
+    parameters load_hf_state_dict deferred."""
+    import torch
+
+    from compiler.models.llama import hf_value
+    from compiler.quant.onnx_rules import torch_to_numpy
+    from compiler.streamed import Deferred
+
+    cfg = model.cfg
+    np_dtype = torch_to_numpy(torch.zeros(0, dtype=dtype), dtype).dtype
+    out: dict[str, tuple[int, Any]] = {}
+    for name, p in model.named_parameters():
+        src = model.deferred_sources.get(name)
+        if src is None:
+            continue
+
+        def read(name: str = name, src: str = src) -> Any:
+            return torch_to_numpy(hf_value(cfg, name, weights[src], dtype), dtype)
+
+        out[name] = (p.data_ptr(), Deferred(tuple(p.shape), np_dtype, read))
+    return out
+
+
 class CapturePass(Pass):
     """Trace our model definition into a torch.export graph with the ForwardBatch interface."""
 
@@ -105,9 +139,15 @@ class CapturePass(Pass):
         dtype = getattr(torch, target.dtype)
         torch.manual_seed(0)
         variant = attention_variant(ctx)
-        # parameters allocated once, each filled from its checkpoint tensor as it is read (one at a time)
+        # parameters allocated once, each filled from its checkpoint tensor as it is read (one at a time);
+        # a streamed build leaves the large ones unread (their storage is never touched, so never resident)
         model = LlamaForwardBatchModel.without_weights(cfg, block_size, attention=variant)
-        unused = model.load_hf_state_dict(lazy_weights(ctx.checkpoint), dtype)
+        weights = lazy_weights(ctx.checkpoint)
+        streamed = bool(ctx.artifacts.get("streamed"))
+        defer = (lambda _name, p: p.numel() > STREAM_MAX_LOADED) if streamed else None
+        unused = model.load_hf_state_dict(weights, dtype, defer)
+        if streamed:
+            ctx.artifacts["deferred_params"] = deferred_params(model, weights, dtype)
         if unused:
             log.info("checkpoint tensors not used by the model definition: %s", ", ".join(unused[:8]))
         model.eval()
@@ -120,6 +160,8 @@ class CapturePass(Pass):
         ctx.artifacts["example_inputs"] = args
         n_params = sum(p.numel() for p in model.parameters())
         extra = {"attention": variant} if "attention" in ctx.artifacts else {}
+        if streamed:
+            extra["streamed_parameters"] = len(ctx.artifacts["deferred_params"])
         return {
             **extra,
             "architecture": cfg.architecture,

@@ -84,6 +84,8 @@ class FusePass(Pass):
             if result["problems"]:
                 raise BuildError(f"fuse: PagedAttention nodes break ONNX Runtime's schema: {result['problems'][:3]}")
             stats["checks"]["paged_attention_schema"] = f"{result['nodes']} nodes valid"
+        if "package" in stats["checks"].get("onnxruntime_session", ""):
+            ctx.artifacts["session_check_pending"] = True
         ctx.artifacts["onnx"] = fused
         log.info("fuse: %s; nodes %d -> %d", stats["fusions"], stats["nodes_before"], stats["nodes_after"])
         return stats

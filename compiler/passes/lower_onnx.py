@@ -61,10 +61,44 @@ def strip_metadata(model: Any) -> None:
             node.doc_string = ""
 
 
+def defer_initializers(ir_model: Any, deferred: dict[str, tuple[int, Any]], max_loaded: int) -> int:
+    """Replace each initializer that holds a deferred parameter's storage (capture left it unread) by a
+    placeholder of the same name, shape and type (compiler/streamed.py); returns how many. An initializer
+    over `max_loaded` elements that is not one of them was computed from weights by the exporter (e.g. a
+    folded transpose) and cannot be streamed: BuildError."""
+    import onnx_ir as ir
+    import torch
+
+    from compiler.streamed import STREAMED_LOCATION, register
+
+    by_ptr = {ptr: (name, d) for name, (ptr, d) in deferred.items()}
+    replaced = 0
+    for value in ir_model.graph.initializers.values():
+        tensor = value.const_value
+        raw = getattr(tensor, "raw", None)
+        found = by_ptr.get(raw.data_ptr()) if isinstance(raw, torch.Tensor) else None
+        if found is None:
+            if tensor is not None and tensor.size > max_loaded:
+                raise BuildError(f"ONNX lowering: initializer {value.name!r} ({tensor.size} elements) is not a "
+                                 "checkpoint tensor (the exporter computed it from weights): it cannot be streamed; "
+                                 "set capture's weights: load")
+            continue
+        name, d = found
+        if not raw.is_contiguous() or tuple(raw.shape) != d.shape or raw.storage_offset() != 0:
+            raise BuildError(f"ONNX lowering: initializer {value.name!r} is a view of parameter {name}, not the "
+                             "parameter: it cannot be streamed; set capture's weights: load")
+        value.const_value = ir.ExternalTensor(STREAMED_LOCATION, register(d), d.size * d.dtype.itemsize,
+                                              tensor.dtype, shape=tensor.shape, name=value.name)
+        replaced += 1
+    return replaced
+
+
 def lower_exported(exported: Any, num_layers: int, opset: int = 21, optimize: bool = True,
-                   attention: str = "decomposed") -> Any:
+                   attention: str = "decomposed", deferred: dict[str, tuple[int, Any]] | None = None,
+                   max_loaded: int = 0) -> Any:
     """torch.onnx export of a captured ForwardBatch graph -> ModelProto with metadata stripped (also used
-    by the attention autotuner). Raises BuildError."""
+    by the attention autotuner). `deferred` (capture's deferred parameters): their initializers become
+    streamed placeholders (defer_initializers). Raises BuildError."""
     import torch
 
     from compiler.attention.lowering import drop_unused_outputs, translation_table
@@ -93,7 +127,10 @@ def lower_exported(exported: Any, num_layers: int, opset: int = 21, optimize: bo
         raise BuildError(f"ONNX lowering failed: {str(e).splitlines()[0]}") from e
     finally:
         log.debug("torch.onnx.export output:\n%s", chatter.getvalue())
+    if deferred:
+        defer_initializers(program.model, deferred, max_loaded)
     model = program.model_proto
+    del program
     if table:
         drop_unused_outputs(model)
     strip_metadata(model)
@@ -123,9 +160,14 @@ class LowerOnnxPass(Pass):
             raise BuildError(f"lower_onnx: opset {self.config.opset} < 21 is not supported")
         exported = ctx.require("exported", self.name)
         inputs, outputs = graph_io_names(ctx.checkpoint.config.num_layers)
+        from compiler.passes.capture import STREAM_MAX_LOADED
+        from compiler.streamed import streamed_count
+
+        deferred = ctx.artifacts.get("deferred_params")
         model = lower_exported(exported, ctx.checkpoint.config.num_layers, self.config.opset, self.config.optimize,
-                               attention_variant(ctx))
+                               attention_variant(ctx), deferred, STREAM_MAX_LOADED)
         ctx.artifacts["onnx"] = model
+        extra = {"streamed_initializers": streamed_count(model)} if deferred else {}
         ops = Counter(n.op_type for n in model.graph.node)
         return {
             "opset": self.config.opset,
@@ -136,4 +178,5 @@ class LowerOnnxPass(Pass):
             "outputs": outputs,
             "ir_version": int(model.ir_version),
             "onnx_version": onnx.__version__,
+            **extra,
         }

@@ -59,8 +59,9 @@ def _kernel_reading(g: Any, pool: str) -> Any:
 
 
 def _initializer_bytes(model: Any, names: set[str]) -> int:
-    return sum(len(t.raw_data) if t.raw_data else int(np.prod(t.dims)) * 4 for t in model.graph.initializer
-               if t.name in names)
+    from compiler.streamed import stored_bytes
+
+    return sum(stored_bytes(t) for t in model.graph.initializer if t.name in names)
 
 
 class LowerQuantPass(Pass):
@@ -103,7 +104,10 @@ class LowerQuantPass(Pass):
         # 1. the float initializers must hold the torch model's (quantized, AWQ-scaled) values
         synced = 0
         torch_model = ctx.require("model", self.name)
+        deferred = ctx.artifacts.get("deferred_params", {})  # streamed: read from the checkpoint when written
         for pname, p in torch_model.named_parameters():
+            if pname in deferred:
+                continue
             init = g.inits.get(pname)
             value = R.torch_to_numpy(p.detach(), getattr(torch, dtype))
             if init is None or tuple(init.dims) != value.shape:
@@ -238,7 +242,9 @@ class LowerQuantPass(Pass):
 
         g.commit()
         try:
-            onnx.checker.check_model(model, full_check=True)
+            from compiler.streamed import checkable
+
+            onnx.checker.check_model(checkable(model), full_check=True)
         except Exception as e:
             raise BuildError(f"lower_quant: the rewritten graph fails onnx.checker: {str(e).splitlines()[0]}") from e
         new_names = {t.name for t in model.graph.initializer if any(t.name.startswith(f"{n}_") for n in st.weights)}

@@ -84,6 +84,25 @@ def kv_write(attention: dict[str, Any] | None) -> str:
     return "graph" if (attention or {}).get("variant") in ("paged_cpu", "paged_attention") else "runtime"
 
 
+def check_session(model_path: Any, kernel: bool) -> str:
+    """Load the written model in an ONNX Runtime CPU session (fuse's check, for a graph whose weights were
+    streamed to the file); BuildError if it does not load."""
+    import onnxruntime as ort
+
+    from runtime.kernels.paged_attention_cpu import register
+
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.intra_op_num_threads = 1
+    if kernel:
+        register(so)
+    try:
+        ort.InferenceSession(str(model_path), so, providers=["CPUExecutionProvider"])
+    except Exception as e:
+        raise BuildError(f"package: the written model does not load in ONNX Runtime: {str(e).splitlines()[0]}") from e
+    return "loads (CPUExecutionProvider)"
+
+
 class PackagePass(Pass):
     """Write the payload files of the artifact into the staging folder."""
 
@@ -104,6 +123,7 @@ class PackagePass(Pass):
     def run(self, ctx: BuildContext) -> dict[str, Any]:
         out = ctx.staging
         out.mkdir(parents=True, exist_ok=True)
+        extra: dict[str, Any] = {}
         if ctx.recipe.target.backend == "torch":
             import torch
 
@@ -116,15 +136,25 @@ class PackagePass(Pass):
         else:
             import onnx
 
-            onnx.save_model(
-                ctx.require("onnx", self.name),
-                str(out / MODEL_FILE),
-                save_as_external_data=True,
-                all_tensors_to_one_file=True,
-                location=WEIGHTS_FILE,
-                size_threshold=self.config.external_data_threshold,
-                convert_attribute=False,
-            )
+            from compiler import streamed
+            from runtime.kernels.paged_attention_cpu import uses_kernel
+
+            model = ctx.require("onnx", self.name)
+            if streamed.streamed_count(model):  # weights computed and written one tensor at a time
+                extra["streamed_tensors"] = streamed.save_model(model, out / MODEL_FILE, WEIGHTS_FILE,
+                                                                self.config.external_data_threshold)
+                if ctx.artifacts.pop("session_check_pending", False):
+                    extra["onnxruntime_session"] = check_session(out / MODEL_FILE, uses_kernel(model))
+            else:
+                onnx.save_model(
+                    model,
+                    str(out / MODEL_FILE),
+                    save_as_external_data=True,
+                    all_tensors_to_one_file=True,
+                    location=WEIGHTS_FILE,
+                    size_threshold=self.config.external_data_threshold,
+                    convert_attribute=False,
+                )
             model_file, weights_file = MODEL_FILE, WEIGHTS_FILE
         from compiler.tokenizer import TokenizerParityError, write_tokenizer
 
@@ -144,4 +174,5 @@ class PackagePass(Pass):
             "tokenizer_files": sorted(f.name for f in ctx.checkpoint.tokenizer_files),
             "tokenizer_source": ctx.artifacts["tokenizer"]["source"],
             "files": files,
+            **extra,
         }

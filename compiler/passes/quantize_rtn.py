@@ -50,11 +50,21 @@ class QuantizeRtnPass(Int4WeightSizes, Pass):
         model = begin(ctx, self.name)
         st = quant_state(ctx)
         targets = target_linears(model, self.config.ignore)
+        # a streamed build's large weights are not in memory: their quantization runs when package writes them
+        deferred = ctx.artifacts.get("deferred_params", {})
+        streamed = 0
         for name, lin in targets.items():
-            q = int4.quantize_rtn(lin.weight, self.config.group_size, symmetric=self.config.symmetric)
-            write_weight(lin, q.dequantize())
+            source = deferred.get(f"{name}.weight")
+            if source is not None:
+                q: int4.Int4Weight = int4.StreamedInt4(f"{name}.weight", source[1], self.config.group_size,
+                                                       self.config.symmetric)
+                streamed += 1
+            else:
+                q = int4.quantize_rtn(lin.weight, self.config.group_size, symmetric=self.config.symmetric)
+                write_weight(lin, q.dequantize())
             st.weights[f"{name}.weight"] = QuantizedWeight(f"{name}.weight", "rtn", q)
         st.weight_method = self.name
+        extra = {"streamed": streamed} if deferred else {}
         log.info("quantize_rtn: %d Linear weights to INT4 (group %d)", len(targets), self.config.group_size)
         return {"method": "rtn", "bits": 4, "group_size": self.config.group_size, "symmetric": self.config.symmetric,
-                **stats_for(st, model, skipped_modules(model, st.weights, self.config.ignore))}
+                **stats_for(st, model, skipped_modules(model, st.weights, self.config.ignore)), **extra}

@@ -17,10 +17,13 @@ scale = 2 * max|w| / 15, so code - 8 is a signed int4 in [-8, 7]: the form Tenso
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from compiler.streamed import Deferred, cached
 
 MAXQ = 15  # 4 bits, unsigned codes
 SYMMETRIC_ZERO = 8  # the zero point of symmetric INT4: code - 8 is the signed value
@@ -144,6 +147,34 @@ class Int4Weight:
         return dequantize_codes(torch.from_numpy(self.codes).to(torch.float32), s, z)
 
 
+class StreamedInt4(Int4Weight):
+    """Round-to-nearest INT4 of a weight that is not in memory (compiler/streamed.py): codes, scales and
+    zero points are Deferreds of one quantization of `source`, run when the artifact is written."""
+
+    def __init__(self, name: str, source: Deferred, group_size: int, symmetric: bool = False) -> None:
+        n, k = source.shape
+        g = num_groups(k, group_size)
+        self.key = ("rtn", name, group_size, symmetric)
+
+        def run() -> Int4Weight:
+            return quantize_rtn(torch.from_numpy(source.compute()), group_size, symmetric=symmetric)
+
+        def part(field: str) -> Callable[[], np.ndarray]:
+            return lambda: getattr(cached(self.key, run), field)
+
+        super().__init__(codes=Deferred((n, k), np.uint8, part("codes")),  # type: ignore[arg-type]
+                         scales=Deferred((n, g), np.float32, part("scales")),  # type: ignore[arg-type]
+                         zeros=Deferred((n, g), np.uint8, part("zeros")),  # type: ignore[arg-type]
+                         group_size=group_size, symmetric=symmetric)
+
+    def computed(self) -> Int4Weight:
+        return Int4Weight(self.codes.compute(), self.scales.compute(), self.zeros.compute(),  # type: ignore[attr-defined]
+                          self.group_size, self.symmetric)
+
+    def dequantize(self) -> torch.Tensor:
+        raise TypeError("a streamed INT4 weight is computed when the artifact is written, not dequantized")
+
+
 def quantize_rtn(w: torch.Tensor, group_size: int, max_val: torch.Tensor | None = None, symmetric: bool = False
                  ) -> Int4Weight:
     """Round-to-nearest INT4 of W [out, in] (optionally with per-group clipping)."""
@@ -183,6 +214,15 @@ def pack_matmulnbits(q: Int4Weight) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     n, k = q.shape
     bs = q.group_size
     kb = num_groups(k, bs)
+    if isinstance(q, StreamedInt4):
+        key = ("nbits", *q.key)
+        src = q
+
+        def part(i: int) -> Callable[[], np.ndarray]:
+            return lambda: cached(key, lambda: pack_matmulnbits(src.computed()))[i]
+
+        return (Deferred((n, kb, bs // 2), np.uint8, part(0)), Deferred((n * kb,), np.float32, part(1)),  # type: ignore[return-value]
+                Deferred((n * ((kb + 1) // 2),), np.uint8, part(2)))
     padded = np.repeat(q.zeros, bs, axis=1)  # zero point everywhere, then the real codes
     padded[:, :k] = q.codes
     b = pack_nibbles(padded).reshape(n, kb, bs // 2)

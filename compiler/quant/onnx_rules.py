@@ -29,10 +29,12 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from compiler import streamed
 from compiler.quant.fp8 import E4M3_MAX, Fp8Weight
 from compiler.quant.int4 import SYMMETRIC_ZERO, Int4Weight, pack_matmulnbits
 from compiler.quant.int8 import ACT_ZERO_POINT, MIN_SCALE, QMAX, Int8Weight
 from compiler.quant.state import KvCacheQuant, QuantizedWeight
+from compiler.streamed import Deferred
 
 MS_DOMAIN = "com.microsoft"
 
@@ -131,8 +133,8 @@ def attr(node: onnx.NodeProto, name: str, default: Any = None) -> Any:
     return default
 
 
-def _tensor(array: np.ndarray, name: str) -> onnx.TensorProto:
-    return numpy_helper.from_array(np.ascontiguousarray(array), name)
+def _tensor(array: np.ndarray | Deferred, name: str) -> onnx.TensorProto:
+    return streamed.tensor(array, name)
 
 
 # ------------------------------------------------------------------------------ weights
@@ -194,7 +196,11 @@ class WeightToQdq:
         out = g.unique(f"{base}_dequantized")
         d = q.data
         if isinstance(d, Int4Weight) and d.symmetric and self.signed_int4:
-            signed = (d.codes.astype(np.int8) - SYMMETRIC_ZERO).astype(ml_dtypes.int4)
+            def to_signed(codes: np.ndarray) -> np.ndarray:
+                return (codes.astype(np.int8) - SYMMETRIC_ZERO).astype(ml_dtypes.int4)
+
+            signed = (d.codes.map(to_signed, d.codes.shape, ml_dtypes.int4) if isinstance(d.codes, Deferred)
+                      else to_signed(d.codes))
             inputs = [
                 g.add_init(_tensor(signed, g.unique(f"{base}_quantized"))),
                 g.add_init(_tensor(d.scales.astype(self.float_type), g.unique(f"{base}_scale"))),

@@ -1,0 +1,261 @@
+"""Streamed initializers: ONNX weight tensors that are computed when the artifact is written, not held.
+
+A build whose weights stream (compiler/memory.py, `streaming_reason`) never holds the model's weights in
+memory: capture traces a model whose large parameters have no values, lower_onnx puts a placeholder in the
+graph for each of them (a TensorProto with dims and type whose external data location is
+`STREAMED_LOCATION`), and the passes after it rewrite the graph around the placeholders. Where a pass
+derives a tensor from weights (quantize_rtn's INT4 codes, lower_quant's MatMulNBits packing, fuse's QKV
+concatenation) it records the computation as a `Deferred` array instead of running it. package then writes
+every initializer into model.onnx.data in the graph's order, one at a time: a streamed one is computed
+(read from the checkpoint, converted, quantized, packed), written and freed. The file layout is the one
+onnx.save_model writes (same order, offsets and size threshold), so a streamed build and a loaded build
+of the same recipe give the same bytes.
+
+A `Deferred` keyed by `key` shares its result with the other tensors of the same computation (INT4 codes,
+scales and zero points of one weight): the last few results are cached (`CACHE_ENTRIES`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:  # pragma: no cover - onnx is imported where a graph is handled (not by the dry run)
+    import onnx
+    from onnx import TensorProto
+
+STREAMED_LOCATION = "optimize-streamed"
+CACHE_ENTRIES = 6  # computations kept (a fused QKV reads three weights, each for three tensors)
+
+_ids = itertools.count(1)
+_registry: dict[int, Deferred] = {}
+_cache: OrderedDict[Any, Any] = OrderedDict()
+
+
+def cached(key: Any, fn: Callable[[], Any]) -> Any:
+    """fn() once per key while the key is among the last CACHE_ENTRIES computed."""
+    if key is None:
+        return fn()
+    if key in _cache:
+        _cache.move_to_end(key)
+        return _cache[key]
+    value = fn()
+    _cache[key] = value
+    while len(_cache) > CACHE_ENTRIES:
+        _cache.popitem(last=False)
+    return value
+
+
+class Deferred:
+    """An array known by shape and dtype now and computed on demand by `fn` (cached under `key`)."""
+
+    def __init__(self, shape: Iterable[int], dtype: Any, fn: Callable[[], np.ndarray], key: Any = None) -> None:
+        self.shape = tuple(int(d) for d in shape)
+        self.dtype = np.dtype(dtype)
+        self._fn = fn
+        self.key = key
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    def compute(self) -> np.ndarray:
+        value = np.asarray(cached(self.key, self._fn))
+        if value.shape != self.shape or value.dtype != self.dtype:
+            raise ValueError(f"streamed tensor computed as {value.dtype}{list(value.shape)}, "
+                             f"declared {self.dtype}{list(self.shape)}")
+        return value
+
+    def astype(self, dtype: Any) -> Deferred:
+        if np.dtype(dtype) == self.dtype:
+            return self
+        return Deferred(self.shape, dtype, lambda: self.compute().astype(dtype))
+
+    def map(self, fn: Callable[[np.ndarray], np.ndarray], shape: Iterable[int], dtype: Any,
+            key: Any = None) -> Deferred:
+        return Deferred(shape, dtype, lambda: fn(self.compute()), key)
+
+
+def concatenate(parts: list[Any], axis: int) -> Deferred:
+    """np.concatenate of arrays and Deferreds, deferred."""
+    shapes = [tuple(p.shape) for p in parts]
+    ax = axis % len(shapes[0])
+    shape = list(shapes[0])
+    shape[ax] = sum(s[ax] for s in shapes)
+    dtype = np.result_type(*[p.dtype for p in parts])
+
+    def run() -> np.ndarray:
+        return np.concatenate([p.compute() if isinstance(p, Deferred) else p for p in parts], axis=ax)
+
+    return Deferred(shape, dtype, run)
+
+
+def reset() -> None:
+    """Forget every streamed tensor and cached result (the end of a build)."""
+    _registry.clear()
+    _cache.clear()
+
+
+def register(value: Deferred) -> int:
+    """The id a placeholder carries (its external data `offset`) for `value`."""
+    sid = next(_ids)
+    _registry[sid] = value
+    return sid
+
+
+def placeholder(value: Deferred, name: str) -> TensorProto:
+    """The graph's stand-in for a streamed tensor: name, dims and element type, no data."""
+    from onnx import TensorProto, helper
+
+    t = TensorProto()
+    t.name = name
+    t.dims.extend(value.shape)
+    t.data_type = helper.np_dtype_to_tensor_dtype(value.dtype)
+    t.data_location = TensorProto.EXTERNAL
+    for key, v in (("location", STREAMED_LOCATION), ("offset", str(register(value)))):
+        entry = t.external_data.add()
+        entry.key, entry.value = key, v
+    return t
+
+
+def is_streamed(t: TensorProto) -> bool:
+    """Whether `t` is a placeholder (its data computed when the artifact is written)."""
+    from onnx import TensorProto
+
+    return (t.data_location == TensorProto.EXTERNAL and len(t.external_data) > 0
+            and t.external_data[0].key == "location" and t.external_data[0].value == STREAMED_LOCATION)
+
+
+def deferred_of(t: TensorProto) -> Deferred | None:
+    """The Deferred behind a placeholder (None for a tensor that holds its data)."""
+    if not is_streamed(t):
+        return None
+    sid = int({e.key: e.value for e in t.external_data}["offset"])
+    if sid not in _registry:
+        raise KeyError(f"streamed tensor {t.name!r}: its computation is gone (a finished build's graph)")
+    return _registry[sid]
+
+
+def array_of(t: TensorProto) -> np.ndarray:
+    """The value of an initializer, computing a streamed one."""
+    from onnx import numpy_helper
+
+    d = deferred_of(t)
+    return numpy_helper.to_array(t) if d is None else d.compute()
+
+
+def value_of(t: TensorProto) -> Any:
+    """A streamed initializer's Deferred (not computed), else the initializer's array."""
+    from onnx import numpy_helper
+
+    d = deferred_of(t)
+    return numpy_helper.to_array(t) if d is None else d
+
+
+def tensor(array: Any, name: str) -> TensorProto:
+    """An initializer from an array (numpy_helper.from_array) or a placeholder from a Deferred."""
+    from onnx import numpy_helper
+
+    if isinstance(array, Deferred):
+        return placeholder(array, name)
+    return numpy_helper.from_array(np.ascontiguousarray(array), name)
+
+
+def stored_bytes(t: TensorProto) -> int:
+    """Bytes the initializer's data takes in the artifact (int4 types packed two to a byte)."""
+    from onnx import TensorProto, helper
+
+    if is_streamed(t):
+        count = int(np.prod(t.dims, dtype=np.int64))
+        if t.data_type in (TensorProto.UINT4, TensorProto.INT4):
+            return (count + 1) // 2
+        return count * helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+    return len(t.raw_data) if t.raw_data else int(np.prod(t.dims)) * 4
+
+
+def streamed_count(model: onnx.ModelProto) -> int:
+    return sum(1 for t in model.graph.initializer if is_streamed(t))
+
+
+def checkable(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy onnx.checker can read: each placeholder becomes a graph input of its type and shape (the
+    checker wants external data in a file; the shapes are what it checks). `model` itself when it has none."""
+    import onnx
+    from onnx import helper
+
+    if not any(is_streamed(t) for t in model.graph.initializer):
+        return model
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    keep = [t for t in out.graph.initializer if not is_streamed(t)]
+    inputs = [helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
+              for t in out.graph.initializer if is_streamed(t)]
+    del out.graph.initializer[:]
+    out.graph.initializer.extend(keep)
+    out.graph.input.extend(inputs)
+    return out
+
+
+def _has_subgraph_initializers(graph: onnx.GraphProto) -> bool:
+    for node in graph.node:
+        for a in node.attribute:
+            for g in ([a.g] if a.HasField("g") else []) + list(a.graphs):
+                if len(g.initializer) or _has_subgraph_initializers(g):
+                    return True
+    return False
+
+
+def save_model(model: onnx.ModelProto, path: Path, location: str, size_threshold: int = 1024) -> int:
+    """Write `model` to `path` with its initializers in `location` beside it, computing each streamed one
+    when its turn comes: the layout of onnx.save_model(save_as_external_data=True, all_tensors_to_one_file=True,
+    convert_attribute=False). Returns the number of tensors computed."""
+    from onnx import TensorProto, numpy_helper
+
+    if _has_subgraph_initializers(model.graph):
+        raise ValueError("save_model: initializers inside subgraphs are not written by the streaming writer")
+    data_path = path.parent / location
+    if data_path.exists():
+        raise FileExistsError(f"External data file exists in {data_path}.")
+    computed = 0
+    empty = sys.getsizeof(b"")
+    with data_path.open("wb") as f:
+        for t in model.graph.initializer:
+            d = deferred_of(t)
+            if d is not None:
+                full = numpy_helper.from_array(np.ascontiguousarray(d.compute()), t.name)
+                if list(full.dims) != list(t.dims) or full.data_type != t.data_type:
+                    raise ValueError(f"streamed tensor {t.name!r} computed as {list(full.dims)} type "
+                                     f"{full.data_type}, declared {list(t.dims)} type {t.data_type}")
+                raw = full.raw_data
+                del full
+                computed += 1
+                del t.external_data[:]
+                t.ClearField("data_location")
+                if empty + len(raw) < size_threshold:
+                    t.raw_data = raw
+                    continue
+            elif t.HasField("raw_data") and sys.getsizeof(t.raw_data) >= size_threshold:
+                raw = t.raw_data
+            else:
+                continue
+            offset = f.tell()
+            f.write(raw)
+            del t.external_data[:]
+            t.data_location = TensorProto.EXTERNAL
+            for key, v in (("location", location), ("offset", str(offset)), ("length", str(len(raw)))):
+                entry = t.external_data.add()
+                entry.key, entry.value = key, v
+            t.ClearField("raw_data")
+            del raw
+    path.write_bytes(model.SerializeToString())
+    return computed
