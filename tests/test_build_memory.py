@@ -141,6 +141,28 @@ def _fp32_bytes(shape: dict[str, int], vocab: int = 4096) -> tuple[int, int]:
     return 4 * (layer + edges), 4 * (layer * shape["num_hidden_layers"] + edges)
 
 
+def measured_streamed_rtn_build(tmp_path: Path, ckpt: Path, size: str, limit: int) -> tuple[int, int, float, Path]:
+    """Build `ckpt` to INT4 RTN (bench/build_scale.py's recipe, streamed weights) in a subprocess sampled from
+    outside: (peak RSS, the dry run's estimate, the streaming ceiling, the artifact). The ceiling: the
+    imports' fixed overhead + 1.5 x (one decoder layer + embedding + head, float32) + the written artifact
+    (package loads it in an ONNX Runtime session as its check)."""
+    name = f"mem-{size}"
+    recipe = write_scale_recipe(tmp_path, ckpt, "rtn", name)
+    p = plan(recipe)
+    assert p.streamed, p.loads_model_because
+    estimate = max(p.pass_peaks.values())
+    r = run_measured([*CLI, "build", str(recipe), "--no-autotune", "--no-progress", "--force"], limit,
+                     env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r["rc"] == 0, r["output_tail"]
+    peak = r["peak_rss_bytes"]
+    artifact = tmp_path / "artifacts" / name / "1.0.0"
+    edges, _model = _fp32_bytes(SHAPES[size])
+    ceiling = FIXED_OVERHEAD + 1.5 * edges + (artifact / "model.onnx.data").stat().st_size
+    assert peak <= ceiling, f"peak {peak / 2**20:.0f} MiB > ceiling {ceiling / 2**20:.0f} MiB"
+    assert 0.75 * peak <= estimate <= 1.25 * peak, f"estimate {estimate / 2**20:.0f} MiB, peak {peak / 2**20:.0f} MiB"
+    return peak, estimate, ceiling, artifact
+
+
 @pytest.mark.slow
 def test_int4_rtn_build_of_a_100m_llama_stays_under_its_memory_ceiling(tmp_path: Path) -> None:
     """The peak resident set of a real INT4 RTN build (g128, lm_head kept, --no-autotune) of an 82M-parameter
@@ -149,18 +171,8 @@ def test_int4_rtn_build_of_a_100m_llama_stays_under_its_memory_ceiling(tmp_path:
     the written artifact (package's ONNX Runtime session of it). (With the whole model loaded this build
     peaked at 1.69 GB; before the checkpoint was read tensor by tensor, at 2.06 GB; this ceiling is about 0.8 GB.)"""
     ckpt = write_random_llama(tmp_path / "llama-100m", "100m")
-    recipe = write_scale_recipe(tmp_path, ckpt, "rtn", "mem-100m")
-    estimate = max(plan(recipe).pass_peaks.values())
-    r = run_measured([*CLI, "build", str(recipe), "--no-autotune", "--no-progress", "--force"], 6 << 30,
-                     env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert r["rc"] == 0, r["output_tail"]
-    peak = r["peak_rss_bytes"]
-    edges, _model = _fp32_bytes(SHAPES["100m"])
-    artifact = (tmp_path / "artifacts" / "mem-100m" / "1.0.0" / "model.onnx.data").stat().st_size
-    ceiling = FIXED_OVERHEAD + 1.5 * edges + artifact
-    assert peak <= ceiling, f"peak {peak / 2**20:.0f} MiB > ceiling {ceiling / 2**20:.0f} MiB"
-    assert 0.75 * peak <= estimate <= 1.25 * peak, f"estimate {estimate / 2**20:.0f} MiB, peak {peak / 2**20:.0f} MiB"
-    info = json.loads((tmp_path / "artifacts" / "mem-100m" / "1.0.0" / "build.json").read_text())
+    peak, _estimate, _ceiling, artifact = measured_streamed_rtn_build(tmp_path, ckpt, "100m", 6 << 30)
+    info = json.loads((artifact / "build.json").read_text())
     per_pass = info["memory"]
     assert set(per_pass) >= {"pass.capture", "pass.quantize_rtn", "pass.lower_onnx", "pass.lower_quant",
                              "pass.fuse", "pass.package"}
@@ -228,17 +240,6 @@ def test_streamed_int4_build_stays_under_one_layer_ceiling(small_llama: Path, tm
     artifact (which package loads in an ONNX Runtime session as its check), and within +-25 % of the dry
     run's estimate. The same build with the whole model loaded needs about 3.5 x the float32 model more
     (test_int4_rtn_build_of_a_100m_llama_stays_under_its_memory_ceiling)."""
-    recipe = write_scale_recipe(tmp_path, small_llama, "rtn", "mem-25m")
-    p = plan(recipe)
-    assert p.streamed
-    estimate = max(p.pass_peaks.values())
-    r = run_measured([*CLI, "build", str(recipe), "--no-autotune", "--no-progress", "--force"], 4 << 30,
-                     env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert r["rc"] == 0, r["output_tail"]
-    peak = r["peak_rss_bytes"]
-    edges, model = _fp32_bytes(SHAPES["25m"])
-    artifact = (tmp_path / "artifacts" / "mem-25m" / "1.0.0" / "model.onnx.data").stat().st_size
-    ceiling = FIXED_OVERHEAD + 1.5 * edges + artifact
-    assert peak <= ceiling, f"peak {peak / 2**20:.0f} MiB > ceiling {ceiling / 2**20:.0f} MiB"
+    _peak, _estimate, ceiling, _artifact = measured_streamed_rtn_build(tmp_path, small_llama, "25m", 4 << 30)
+    _edges, model = _fp32_bytes(SHAPES["25m"])
     assert ceiling < FIXED_OVERHEAD + 3.5 * model  # the ceiling is below what a loaded build holds
-    assert 0.75 * peak <= estimate <= 1.25 * peak, f"estimate {estimate / 2**20:.0f} MiB, peak {peak / 2**20:.0f} MiB"
