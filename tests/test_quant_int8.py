@@ -254,10 +254,11 @@ def test_int8_artifact_ops_and_parity_with_the_float_model(small: dict[str, Path
     got = LLMEngine(art).backend.forward(_batch())
     ref = float_logits[arch]
     err = np.abs(got - ref).max() / np.abs(ref).max()
-    # measured: 0.005-0.011 per token, 0.02-0.03 per tensor (random weights x4 have large activations)
-    # measured (max |logit difference| / max |logit|): llama per token 0.022, qwen2 per tensor 0.017 (and
-    # qwen2 per token through MatMulInteger 0.017); argmax agreement 0.91-1.0 over the batch's 22 tokens
-    assert err < 0.035, err
+    # max |logit difference| / max |logit|, measured with full-range weight codes ([-127, 127]) and norms at 1:
+    # llama per token 0.022, qwen2 per tensor 0.017 (and qwen2 per token through MatMulInteger 0.017); argmax
+    # agreement 0.91-1.0 over the batch's 22 tokens. The default codes are in [-64, 64] (twice the weight step,
+    # exact on CPUs without VNNI) and the norms are random: llama per token 0.036 on an AVX2 EPYC.
+    assert err < 0.055, err
     assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.85
 
 
