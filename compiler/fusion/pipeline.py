@@ -207,16 +207,24 @@ def check_model(model: onnx.ModelProto, onnxruntime_session: bool = True) -> dic
         out["onnxruntime_session"] = "loaded by package from the written artifact (streamed weights)"
         return out
     if onnxruntime_session:
-        import onnxruntime as ort
+        from runtime.kernels.paged_attention_cpu import uses_kernel
 
-        from runtime.kernels.paged_attention_cpu import register, uses_kernel
-
-        so = ort.SessionOptions()
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-        so.intra_op_num_threads = 1
-        if uses_kernel(model):
-            register(so)
-        ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        load_in_cpu_session(model.SerializeToString(), uses_kernel(model))
         out["onnxruntime_session"] = "loads (CPUExecutionProvider)"
     return out
+
+
+def load_in_cpu_session(source: str | bytes, kernel: bool) -> None:
+    """Create an ONNX Runtime CPU session of a model (a file path or its bytes) without graph optimizations,
+    with the package's C ops registered when it uses them; raises what ONNX Runtime raises."""
+    import onnxruntime as ort
+
+    from runtime.kernels.paged_attention_cpu import register
+
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.intra_op_num_threads = 1
+    if kernel:
+        register(so)
+    ort.InferenceSession(source, so, providers=["CPUExecutionProvider"])
 

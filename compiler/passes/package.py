@@ -87,17 +87,10 @@ def kv_write(attention: dict[str, Any] | None) -> str:
 def check_session(model_path: Any, kernel: bool) -> str:
     """Load the written model in an ONNX Runtime CPU session (fuse's check, for a graph whose weights were
     streamed to the file); BuildError if it does not load."""
-    import onnxruntime as ort
+    from compiler.fusion.pipeline import load_in_cpu_session
 
-    from runtime.kernels.paged_attention_cpu import register
-
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    so.intra_op_num_threads = 1
-    if kernel:
-        register(so)
     try:
-        ort.InferenceSession(str(model_path), so, providers=["CPUExecutionProvider"])
+        load_in_cpu_session(str(model_path), kernel)
     except Exception as e:
         raise BuildError(f"package: the written model does not load in ONNX Runtime: {str(e).splitlines()[0]}") from e
     return "loads (CPUExecutionProvider)"
