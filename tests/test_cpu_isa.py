@@ -141,6 +141,46 @@ def test_serving_on_another_code_path_than_the_build_measured_warns_once(
     assert not [r for r in caplog.records if r.levelno == logging.WARNING and "code path" in r.getMessage()]
 
 
+def test_cpu_flags_are_read_from_cpuinfo(tmp_path: Path) -> None:
+    from runtime.kernels.cpu_check import cpu_flags
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: x\nflags\t\t: fpu sse2 avx2 fma avx512_vnni\n\n")
+    assert cpu_flags(info) == {"fpu", "sse2", "avx2", "fma", "avx512_vnni"}
+    assert cpu_flags(tmp_path / "absent") is None
+
+
+def test_full_range_int8_weights_warn_at_load_on_a_cpu_without_an_int8_dot_product(
+        demo_artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """weight_range: full is exact only where MLAS's uint8 x int8 GEMM accumulates in int32 (VNNI, AMX): on
+    another CPU the load says so in one line; reduced-range codes never warn."""
+    from runtime.engine import LLMEngine
+    from runtime.kernels import cpu_check
+
+    def artifact(weight_range: str) -> Path:
+        dst = tmp_path / weight_range
+        shutil.copytree(demo_artifact, dst)
+        manifest = json.loads((dst / "manifest.json").read_text())
+        manifest["passes"].insert(2, {"name": "quantize_int8", "stats": {"weight_range": weight_range}})
+        (dst / "manifest.json").write_text(json.dumps(manifest, sort_keys=True, indent=2) + "\n")
+        return dst
+
+    def warnings(folder: Path, flags: set[str] | None) -> list[str]:
+        monkeypatch.setattr(cpu_check, "cpu_flags", lambda: flags)
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            LLMEngine(folder, verify=False)
+        return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "int8" in r.getMessage()]
+
+    full, reduced = artifact("full"), artifact("reduced")
+    no_dot = warnings(full, {"avx2", "fma", "avx512f", "avx512bw"})
+    assert len(no_dot) == 1 and "this CPU has no VNNI or AMX" in no_dot[0] and "weight_range: reduced" in no_dot[0]
+    assert "cannot be read" in warnings(full, None)[0]
+    for flag in cpu_check.INT8_DOT_FLAGS:
+        assert warnings(full, {"avx2", flag}) == []
+    assert warnings(reduced, {"avx2"}) == []
+
+
 def test_retune_measures_each_path_this_cpu_runs_and_loads_the_fastest(
         demo_artifact: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     from runtime.engine import LLMEngine

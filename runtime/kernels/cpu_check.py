@@ -6,6 +6,10 @@
   instruction set, so the choice may not be the fastest here.
 - `bf16_line`: for artifacts with bfloat16 products, one line at load naming MatMulBf16's path, a warning
   where that path is slower than float32 for prompt processing (every path without AVX-512 BF16).
+- `int8_warning`: for artifacts whose int8 weights use the full range (quantize_int8 `weight_range: full`),
+  one line at load on a CPU without an int8 dot product (VNNI / AMX, read from /proc/cpuinfo): ONNX Runtime's
+  uint8 x int8 GEMM then sums pairs of products in saturating 16-bit lanes, so the served numbers differ from
+  the ones the build's quality gate measured on a CPU that has it.
 - `retune`: the attention variant is part of the graph (capture writes it), so it cannot change at load;
   what can is the C ops' code path. `retune` times a decode step and a prefill of the artifact itself on
   each path this CPU runs (avx512 / avx2 / baseline) and returns the fastest, which the engine then loads.
@@ -25,7 +29,8 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-DECODE_TOKENS = 128  # decode steps per prefill in the retune score (as the build's autotune weighs them)
+DECODE_TOKENS = 128
+INT8_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")  # where MLAS's uint8 x int8 GEMM sums in int32  # decode steps per prefill in the retune score (as the build's autotune weighs them)
 
 
 def measured_on(manifest: dict[str, Any]) -> dict[str, Any] | None:
@@ -47,6 +52,32 @@ def isa_warning(manifest: dict[str, Any], paths: dict[str, Any]) -> str | None:
     return (f"the attention variant ({choice}) was chosen by timings on the {rec.get('isa')} code path; this CPU "
             f"runs {paths['isa']} (available: {', '.join(paths['available'])}): the choice may not be the fastest "
             "here (rebuild on this machine to re-measure it, or serve with --retune to re-measure the code path)")
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str] | None:
+    """The CPU's feature flags as Linux lists them, or None where they cannot be read."""
+    try:
+        text = cpuinfo.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return None
+
+
+def int8_warning(manifest: dict[str, Any], flags: set[str] | None) -> str | None:
+    """One line when the artifact's int8 weights use the full range [-127, 127] and this CPU (`flags`, None:
+    unknown) has no int8 dot product; None otherwise (reduced-range codes are exact on every x86 CPU)."""
+    stats = next((p.get("stats") for p in manifest.get("passes", []) if p.get("name") == "quantize_int8"), None)
+    if not isinstance(stats, dict) or stats.get("weight_range") != "full":
+        return None
+    if flags is not None and set(INT8_DOT_FLAGS) & flags:
+        return None
+    cpu = "this CPU has no VNNI or AMX" if flags is not None else "this CPU's features cannot be read"
+    return (f"int8 weights in the full range (quantize_int8 weight_range: full) and {cpu}: ONNX Runtime's uint8 x "
+            "int8 GEMM sums pairs of products in saturating 16-bit lanes here, so outputs can differ from the exact "
+            "products the quality gate measured; rebuild with weight_range: reduced (exact on every x86 CPU)")
 
 
 def bf16_line(paths: dict[str, Any]) -> tuple[int, str]:
