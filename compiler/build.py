@@ -33,6 +33,7 @@ from typing import Any
 
 from compiler.attention import KERNELS
 from compiler.checkpoint import CheckpointError, CheckpointInfo, inspect_checkpoint
+from compiler.disk import check_disk
 from compiler.memory import (
     RssSampler,
     check_memory,
@@ -646,7 +647,8 @@ def build(recipe_path: str | Path, progress: bool = True, output: str | Path | N
     `output` overrides the recipe's output folder (the artifact goes to <output>/<name>/<version>).
     `autotune=False` makes passes that measure candidates on this machine use their fixed rule
     tables instead, so the build is deterministic (byte-reproducible). A build whose estimated peak memory
-    exceeds MemAvailable is refused before any work unless `force` (compiler/memory.py).
+    exceeds MemAvailable, or whose estimated artifact exceeds the free disk space at the output, is refused
+    before any work unless `force` (compiler/memory.py, compiler/disk.py).
     """
     t0 = time.perf_counter()
     p = plan(recipe_path)
@@ -661,6 +663,9 @@ def build(recipe_path: str | Path, progress: bool = True, output: str | Path | N
     check_gate_can_run(recipe)
     out_root = Path(output).resolve() if output is not None else recipe.output
     final = check_version_unused(out_root, recipe.name, recipe.version)
+    no_room = check_disk(final, p.estimates["artifact_bytes"], force)
+    if no_room is not None:
+        raise BuildError(no_room)
     draft: Path | None = None
     if recipe.speculative is not None:
         draft = _build_draft(recipe, out_root, autotune, force)

@@ -82,7 +82,8 @@ def main(verbose: int) -> None:
               help="Choose kernels from a fixed rule table instead of timing candidates on this machine "
                    "(fast, deterministic: the same recipe gives the same bytes).")
 @click.option("--force", is_flag=True,
-              help="Build even when the estimated peak memory exceeds what this machine has available.")
+              help="Build even when the estimated peak memory exceeds what this machine has available, or the "
+                   "estimated artifact exceeds the free disk space at the output.")
 def build(recipe: Path, dry_run: bool, no_progress: bool, output: Path | None, skip_existing: bool,
           no_autotune: bool, force: bool) -> None:
     """Build RECIPE (YAML) into artifacts/<name>/<version>/."""
@@ -157,6 +158,16 @@ def _print_plan(p: Plan) -> None:
     if available is not None:
         click.echo(f"  {'available (MemAvailable)':<62} {_fmt_bytes(available):>12}")
     problem = check_memory(p.pass_peaks)
+    if problem is not None:
+        click.echo(f"warning: {problem}")
+    from compiler.disk import check_disk, disk_free, needed_bytes
+
+    out = r.output / r.name / r.version
+    free = disk_free(out)
+    if free is not None:
+        click.echo(f"build disk: the artifact needs about {_fmt_bytes(needed_bytes(est['artifact_bytes']))}; "
+                   f"{_fmt_bytes(free[1])} free at {free[0]}")
+    problem = check_disk(out, est["artifact_bytes"])
     if problem is not None:
         click.echo(f"warning: {problem}")
     click.echo("plan ok (dry run: nothing built)")

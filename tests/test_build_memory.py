@@ -24,6 +24,7 @@ from bench.build_scale import SHAPES, run_measured, write_random_llama
 from bench.build_scale import write_recipe as write_scale_recipe
 from compiler.build import BuildError, build, plan
 from compiler.checkpoint import CheckpointError, inspect_checkpoint, lazy_weights
+from compiler.disk import check_disk, needed_bytes
 from compiler.memory import FIXED_OVERHEAD, check_memory
 
 CLI = [sys.executable, "-m", "compiler.cli"]
@@ -104,6 +105,41 @@ def test_build_refuses_when_the_estimate_exceeds_mem_available(small_llama: Path
     assert check_memory(p.pass_peaks, force=True) is None  # forced: a warning, not a refusal
     out = build(recipe, progress=False, autotune=False, force=True)
     assert (out / "model.onnx").is_file()
+    # the disk estimate the build checks against free space covers what was written
+    written = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    assert written <= needed_bytes(p.estimates["artifact_bytes"]), (written, p.estimates["artifact_bytes"])
+
+
+def test_build_refuses_when_the_artifact_exceeds_the_free_disk(small_llama: Path, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Refused before anything is written, naming the estimate, the free space and the folder; --force builds
+    anyway (a warning)."""
+    import shutil
+    from collections import namedtuple
+
+    from click.testing import CliRunner
+
+    from compiler.cli import main
+
+    recipe = write_recipe(tmp_path, small_llama, name="no-room", passes=(
+        "  - name: capture\n  - name: lower_onnx\n  - name: package\n"))
+    need = needed_bytes(plan(recipe).estimates["artifact_bytes"])
+    usage = namedtuple("usage", "total used free")
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(real(path).total, 0, need // 2))
+    with pytest.raises(BuildError) as exc:
+        build(recipe, progress=False, autotune=False)
+    msg = str(exc.value)
+    assert f"needs an estimated {need / 2**30:.2f} GiB on disk" in msg and f"{need // 2 / 2**30:.2f} GiB free" in msg
+    assert str(tmp_path) in msg and "--force" in msg
+    assert not (tmp_path / "artifacts").exists()  # refused before anything was written
+    res = CliRunner().invoke(main, ["build", str(recipe), "--dry-run"])
+    assert res.exit_code == 0 and "warning: the artifact needs an estimated" in res.output, res.output
+    res = CliRunner().invoke(main, ["build", str(recipe)])
+    assert res.exit_code != 0 and "GiB free" in res.output and "no artifact was written" in res.output, res.output
+    assert check_disk(tmp_path / "artifacts", plan(recipe).estimates["artifact_bytes"], force=True) is None
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(real(path).total, 0, need))
+    assert check_disk(tmp_path / "artifacts", plan(recipe).estimates["artifact_bytes"]) is None  # it fits
 
 
 def test_a_build_killed_midway_leaves_no_artifact(small_llama: Path, tmp_path: Path) -> None:
