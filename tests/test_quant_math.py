@@ -49,6 +49,26 @@ def test_int4_groups_pad_the_last_group_without_using_the_padding() -> None:
     torch.testing.assert_close(int4.fake_quantize(w, 128), q.dequantize(), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("clip", [False, True])
+def test_int4_whole_group_rtn_equals_the_per_column_formula(symmetric: bool, clip: bool) -> None:
+    """quantize_rtn's whole-group path (a [out, G, gs] view, per-group values broadcast, in place) gives the
+    bits of code = clamp(round(w / scale) + zero, 0, 15) with scale and zero expanded per column."""
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(96, 512, generator=g) * torch.rand(96, 1, generator=g) * 0.1
+    w[0] = 0.0
+    w[1] = w[1].abs()
+    w[2] = -w[2].abs()
+    max_val = (w.abs().reshape(96, 4, 128).amax(-1) * 0.6) if clip else None
+    q = int4.quantize_rtn(w, 128, max_val, symmetric)
+    scale, zero = int4.group_params(w, 128, max_val, symmetric)
+    ref = int4.quantize_codes(w, int4.expand(scale, 512, 128), int4.expand(zero, 512, 128)).to(torch.uint8)
+    assert np.array_equal(q.codes, ref.numpy())
+    assert np.array_equal(q.scales, scale.numpy()) and np.array_equal(q.zeros, zero.to(torch.uint8).numpy())
+    wmin, wmax = int4.group_minmax(w, 128)
+    assert torch.equal(wmin, w.reshape(96, 4, 128).amin(-1)) and torch.equal(wmax, w.reshape(96, 4, 128).amax(-1))
+
+
 def test_int4_clipping_bounds_the_range() -> None:
     w = _weight(4, 256)
     max_val = torch.full((4, 2), 0.02)

@@ -50,6 +50,9 @@ def _grouped(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tens
 
 def group_minmax(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per (row, group) min and max over the real columns: two [out, G] tensors."""
+    out, cols = w.shape
+    if cols % group_size == 0:  # whole groups: a view, no padded copy or mask
+        return torch.aminmax(w.reshape(out, cols // group_size, group_size), dim=-1)
     wp, valid = _grouped(w, group_size)
     wmin = torch.where(valid, wp, torch.full((), float("inf"), dtype=w.dtype)).amin(-1)
     wmax = torch.where(valid, wp, torch.full((), float("-inf"), dtype=w.dtype)).amax(-1)
@@ -180,7 +183,12 @@ def quantize_rtn(w: torch.Tensor, group_size: int, max_val: torch.Tensor | None 
     """Round-to-nearest INT4 of W [out, in] (optionally with per-group clipping)."""
     w = w.detach().to(torch.float32)
     scale, zero = group_params(w, group_size, max_val, symmetric)
-    codes = quantize_codes(w, expand(scale, w.shape[1], group_size), expand(zero, w.shape[1], group_size))
+    out, cols = w.shape
+    if cols % group_size == 0:  # whole groups: quantize_codes' arithmetic in place, per-group values broadcast
+        q = w.reshape(out, cols // group_size, group_size) / scale.unsqueeze(-1)
+        q.round_().add_(zero.unsqueeze(-1)).clamp_(0, MAXQ)
+        return from_codes(q.reshape(out, cols), scale, zero, group_size, symmetric)
+    codes = quantize_codes(w, expand(scale, cols, group_size), expand(zero, cols, group_size))
     return from_codes(codes, scale, zero, group_size, symmetric)
 
 
