@@ -6,7 +6,13 @@ Each row makes (or reuses) a random Llama checkpoint of a public shape (bf16 saf
 (VmHWM at the end), killing the build when it passes `--limit-gb`. Beside it: the dry run's estimate of
 the build's peak (compiler/memory.py) and the per-pass peaks the build itself recorded in build.json.
 
+Reference rows (`--references ort-genai,llama.cpp`), measured the same way on the same checkpoint with the
+peer benchmark's environment (../shared/peers/setup.sh; `--peers-home`, default $PEERS_HOME): ONNX Runtime
+GenAI's model builder to INT4 (`-p int4 -e cpu`), and llama.cpp's convert_hf_to_gguf to bf16 followed by
+llama_model_quantize to q4_0 (two processes: the peak is the larger, the wall time the sum).
+
     PYTHONPATH=$PWD python bench/build_scale.py --shapes 100m,1b --methods rtn --out /tmp/bigmodels
+    PYTHONPATH=$PWD python bench/build_scale.py --shapes 1b --methods rtn --references ort-genai,llama.cpp
 
 Prints a table and writes JSON (bench/results/build_scale.json by default). Run it on a quiet machine;
 the wall time includes Python and torch start-up.
@@ -30,6 +36,11 @@ from typing import Any
 from compiler.memory import status_kb
 
 ROOT = Path(__file__).resolve().parents[1]
+PEERS = ROOT.parent / "shared" / "peers"  # the peer benchmark's harness (to_gguf.py)
+REFERENCES = ("ort-genai", "llama.cpp")
+QUANTIZE_GGUF = ("import ctypes, sys, llama_cpp as L\n"
+                 "p = L.llama_model_quantize_default_params(); p.nthread = 2; p.ftype = L.LLAMA_FTYPE_MOSTLY_Q4_0\n"
+                 "sys.exit(L.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(p)))\n")
 DEMO_MODEL = ROOT / "models" / "pycode-llama-6m"
 
 # hidden, layers, heads, kv heads, intermediate (vocab 4096: the demo tokenizer's)
@@ -170,6 +181,40 @@ def run_measured(cmd: list[str], limit_bytes: int, env: dict[str, str] | None = 
             "killed_at_limit": killed, "output_tail": "".join(out)[-3000:]}
 
 
+def reference_steps(name: str, ckpt: Path, work: Path, peers_home: Path) -> list[tuple[str, list[str]]]:
+    """The commands of a reference build (name in REFERENCES), each (label, argv), run in order."""
+    py = str(peers_home / ".venv" / "bin" / "python")
+    if name == "ort-genai":
+        return [("builder int4", [py, "-m", "onnxruntime_genai.models.builder", "-i", str(ckpt), "-o",
+                                  str(work / "ort-int4"), "-p", "int4", "-e", "cpu", "-c", str(work / "ort-cache")])]
+    sources = sorted((peers_home / "build").glob("llama_cpp_python-*/vendor/llama.cpp"))
+    if not sources:
+        raise SystemExit(f"llama.cpp sources not found under {peers_home / 'build'}: run ../shared/peers/setup.sh")
+    bf16, q4 = work / "model-bf16.gguf", work / "model-q4_0.gguf"
+    return [("convert bf16", [py, str(PEERS / "to_gguf.py"), str(sources[-1]), str(ckpt), str(bf16), "--outtype",
+                              "bf16"]),
+            ("quantize q4_0", [py, "-c", QUANTIZE_GGUF, str(bf16), str(q4)])]
+
+
+def measure_reference(name: str, shape: str, ckpt: Path, out: Path, peers_home: Path, limit_bytes: int) -> dict[str, Any]:
+    """One reference row: each step measured by run_measured; peak = the largest, wall = the sum."""
+    work = out / f"ref-{shape}-{name}"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    steps = []
+    for label, cmd in reference_steps(name, ckpt, work, peers_home):
+        r = run_measured(cmd, limit_bytes)
+        steps.append({"step": label, **r})
+        if r["rc"] != 0:
+            break
+    shutil.rmtree(work, ignore_errors=True)
+    last = steps[-1]
+    return {"shape": shape, "method": name, "estimate_bytes": None, "rc": last["rc"],
+            "killed_at_limit": last["killed_at_limit"], "peak_rss_bytes": max(s["peak_rss_bytes"] for s in steps),
+            "wall_s": sum(s["wall_s"] for s in steps), "output_tail": last["output_tail"],
+            "steps": [{k: v for k, v in s.items() if k != "output_tail"} for s in steps]}
+
+
 def _gb(n: float | None) -> str:
     return "—" if not n else f"{n / 1e9:.2f}"
 
@@ -181,6 +226,11 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("/tmp/bigmodels"), help="checkpoints and artifacts")
     ap.add_argument("--limit-gb", type=float, default=6.0, help="kill a build whose RSS passes this")
     ap.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "build_scale.json")
+    ap.add_argument("--keep", action="store_true", help="keep the built artifacts (OUT/build-SHAPE-METHOD/artifacts)")
+    ap.add_argument("--references", default="", help=f"comma-separated reference builders, of {', '.join(REFERENCES)}")
+    ap.add_argument("--peers-home", type=Path, default=Path(os.environ.get("PEERS_HOME", PEERS)),
+                    help="the peer benchmark's folder (its .venv and build/ from ../shared/peers/setup.sh)")
+    ap.add_argument("--reference-limit-gb", type=float, default=20.0, help="kill a reference build past this")
     a = ap.parse_args()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     rows = []
@@ -210,11 +260,23 @@ def main() -> None:
                   f"{r['wall_s']:.0f} s, {status}", flush=True)
             if r["rc"] != 0 and not r["killed_at_limit"]:
                 print(r["output_tail"], file=sys.stderr)
-            shutil.rmtree(work / "artifacts", ignore_errors=True)
-    print(f"\n{'shape':>6} {'method':>6} {'peak GB':>8} {'dry-run GB':>10} {'ratio':>6} {'wall s':>7}")
+            if not a.keep:
+                shutil.rmtree(work / "artifacts", ignore_errors=True)
+        for name in filter(None, a.references.split(",")):
+            if name not in REFERENCES:
+                raise SystemExit(f"--references: {name!r} is not one of {', '.join(REFERENCES)}")
+            r = measure_reference(name, shape, ckpt, a.out, a.peers_home, int(a.reference_limit_gb * 1e9))
+            rows.append(r)
+            status = "ok" if r["rc"] == 0 else ("killed at limit" if r["killed_at_limit"] else f"rc {r['rc']}")
+            print(f"{shape:>5} {name}: peak {_gb(r['peak_rss_bytes'])} GB, {r['wall_s']:.0f} s ("
+                  + ", ".join(f"{s['step']} {_gb(s['peak_rss_bytes'])} GB {s['wall_s']:.0f} s" for s in r["steps"])
+                  + f"), {status}", flush=True)
+            if r["rc"] != 0 and not r["killed_at_limit"]:
+                print(r["output_tail"], file=sys.stderr)
+    print(f"\n{'shape':>6} {'method':>10} {'peak GB':>8} {'dry-run GB':>10} {'ratio':>6} {'wall s':>7}")
     for r in rows:
         ratio = f"{r['estimate_bytes'] / r['peak_rss_bytes']:.2f}" if r["estimate_bytes"] else "—"
-        print(f"{r['shape']:>6} {r['method']:>6} {_gb(r['peak_rss_bytes']):>8} {_gb(r['estimate_bytes']):>10} "
+        print(f"{r['shape']:>6} {r['method']:>10} {_gb(r['peak_rss_bytes']):>8} {_gb(r['estimate_bytes']):>10} "
               f"{ratio:>6} {r['wall_s']:>7.0f}")
     a.json.parent.mkdir(parents=True, exist_ok=True)
     a.json.write_text(json.dumps({"host": {"machine": platform.machine(), "cpus": os.cpu_count(),
