@@ -13,12 +13,17 @@ of the same recipe give the same bytes.
 
 A `Deferred` keyed by `key` shares its result with the other tensors of the same computation (INT4 codes,
 scales and zero points of one weight): the last few results are cached (`CACHE_ENTRIES`).
+
+A result computed before package writes it (quantize_gptq's codes of one decoder layer, which need the
+calibration activations of that layer) is `spill`ed: written to a .npy file in the build's spill folder
+(a temporary folder, removed by `reset`) and read back when its turn comes, so no pass holds them all.
 """
 
 from __future__ import annotations
 
 import itertools
 import sys
+import tempfile
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -36,6 +41,8 @@ CACHE_ENTRIES = 6  # computations kept (a fused QKV reads three weights, each fo
 _ids = itertools.count(1)
 _registry: dict[int, Deferred] = {}
 _cache: OrderedDict[Any, Any] = OrderedDict()
+_spill: tempfile.TemporaryDirectory[str] | None = None
+_spilled = itertools.count(1)
 
 
 def cached(key: Any, fn: Callable[[], Any]) -> Any:
@@ -101,9 +108,29 @@ def concatenate(parts: list[Any], axis: int) -> Deferred:
 
 
 def reset() -> None:
-    """Forget every streamed tensor and cached result (the end of a build)."""
+    """Forget every streamed tensor and cached result and remove the spill folder (the end of a build)."""
+    global _spill
     _registry.clear()
     _cache.clear()
+    if _spill is not None:
+        _spill.cleanup()
+        _spill = None
+
+
+def spill_folder() -> Path:
+    """The build's folder of spilled arrays (created on first use, removed by `reset`)."""
+    global _spill
+    if _spill is None:
+        _spill = tempfile.TemporaryDirectory(prefix="optimize-spill-")
+    return Path(_spill.name)
+
+
+def spill(array: np.ndarray, key: Any = None) -> Deferred:
+    """`array` written to the spill folder; a Deferred that reads it back (not held in memory)."""
+    path = spill_folder() / f"{next(_spilled)}.npy"
+    array = np.ascontiguousarray(array)
+    np.save(path, array, allow_pickle=False)
+    return Deferred(array.shape, array.dtype, lambda: np.load(path, allow_pickle=False), key)
 
 
 def register(value: Deferred) -> int:

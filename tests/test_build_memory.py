@@ -187,18 +187,27 @@ STREAMED_PASSES = ("  - name: capture\n  - name: quantize_rtn\n  - name: lower_o
                    "  - name: fuse\n  - name: package\n")
 
 
-def test_streamed_build_writes_the_bytes_of_a_loaded_build(tmp_path: Path) -> None:
-    """A random 2-layer Llama with a tied head to INT4 RTN with fusion, once with its weights streamed into
-    the artifact tensor by tensor and once with the whole model loaded: the same model.onnx and
+GPTQ_PASS = "  - name: quantize_gptq\n    options: {act_order: true}\n"
+CALIBRATION = f"calibration:\n  data: {ROOT / 'models' / 'pycode-llama-6m' / 'calib.txt'}\n  num_samples: 4\n  seq_len: 128\n"
+
+
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
+def test_streamed_build_writes_the_bytes_of_a_loaded_build(tmp_path: Path, method: str) -> None:
+    """A random 2-layer Llama with a tied head to INT4 RTN or GPTQ with fusion, once with its weights streamed
+    into the artifact tensor by tensor and once with the whole model loaded: the same model.onnx and
     model.onnx.data, byte for byte (MatMulNBits packing, the fused gate/up and QKV concatenations, the float
-    embedding and the head read from the embedding, all computed when written)."""
+    embedding and the head read from the embedding, all computed when written; GPTQ: each layer read from the
+    checkpoint, quantized from the calibration activations and its codes spilled to disk, layer by layer)."""
     ckpt = make_random_checkpoint(tmp_path / "ckpt", "LlamaForCausalLM", seed=3, hidden_size=256, head_dim=64,
                                   intermediate_size=704, tie_word_embeddings=True)
+    quantize = "  - name: quantize_rtn\n" if method == "rtn" else GPTQ_PASS
     out = {}
     for mode in ("stream", "load"):
         passes = STREAMED_PASSES.replace("  - name: capture\n", f"  - name: capture\n    options: {{weights: {mode}}}\n")
+        passes = passes.replace("  - name: quantize_rtn\n", quantize)
         (tmp_path / mode).mkdir()
-        recipe = write_recipe(tmp_path / mode, ckpt, name=f"rtn-{mode}", passes=passes)
+        recipe = write_recipe(tmp_path / mode, ckpt, name=f"{method}-{mode}", passes=passes,
+                              extra=CALIBRATION if method == "gptq" else "")
         p = plan(recipe)
         assert p.streamed == (mode == "stream"), p.loads_model_because
         out[mode] = build(recipe, progress=False, autotune=False)
@@ -210,7 +219,15 @@ def test_streamed_build_writes_the_bytes_of_a_loaded_build(tmp_path: Path) -> No
     # the 7 matrices of each layer, the embedding and the head (the norms, under the exporter's folding
     # size, are loaded)
     assert stats["capture"]["streamed_parameters"] == 2 * 7 + 2
-    assert stats["quantize_rtn"]["streamed"] == stats["quantize_rtn"]["quantized_count"] == 2 * 7
+    if method == "rtn":
+        assert stats["quantize_rtn"]["streamed"] == stats["quantize_rtn"]["quantized_count"] == 2 * 7
+    else:
+        loaded = {r["name"]: r.get("stats", {})
+                  for r in json.loads((out["load"] / "manifest.json").read_text())["passes"]}
+        assert stats["quantize_gptq"]["streamed_layers"] == 2 and stats["quantize_gptq"]["quantized_count"] == 2 * 7
+        # the same Hessians and rounding: the same reconstruction loss per Linear
+        assert stats["quantize_gptq"]["reconstruction_loss"] == loaded["quantize_gptq"]["reconstruction_loss"]
+        assert len(stats["quantize_gptq"]["reconstruction_loss"]) == 2 * 7
     assert stats["package"]["onnxruntime_session"].startswith("loads")
     assert stats["package"]["streamed_tensors"] > 0
 
