@@ -13,6 +13,9 @@ llama_model_quantize to q4_0 (two processes: the peak is the larger, the wall ti
 
     PYTHONPATH=$PWD python bench/build_scale.py --shapes 100m,1b --methods rtn --out /tmp/bigmodels
     PYTHONPATH=$PWD python bench/build_scale.py --shapes 1b --methods rtn --references ort-genai,llama.cpp
+    PYTHONPATH=$PWD python bench/build_scale.py --shapes 1b --methods gptq --calib-samples 16 --calib-seq-len 512
+
+GPTQ rows calibrate on the demo's calib.txt (`--calib-samples` windows of `--calib-seq-len` tokens).
 
 Prints a table and writes JSON (bench/results/build_scale.json by default). Run it on a quiet machine;
 the wall time includes Python and torch start-up.
@@ -63,8 +66,10 @@ SHARD_BYTES = 2 << 30
 
 METHODS = {
     "rtn": "  - name: quantize_rtn\n    options: {group_size: 128, ignore: [lm_head]}\n",
+    "gptq": "  - name: quantize_gptq\n    options: {group_size: 128, ignore: [lm_head]}\n",
     "fp32": "",
 }
+CALIBRATION_DATA = DEMO_MODEL / "calib.txt"
 
 
 def _tensor_shapes(shape: dict[str, int]) -> list[tuple[str, tuple[int, ...]]]:
@@ -140,8 +145,12 @@ def write_random_llama(out: Path, shape_name: str, seed: int = 0) -> Path:
     return out
 
 
-def write_recipe(folder: Path, checkpoint: Path, method: str, name: str) -> Path:
-    """The build of the scale check: INT4 RTN (g128, lm_head kept) or fp32, ONNX Runtime CPU."""
+def write_recipe(folder: Path, checkpoint: Path, method: str, name: str, calib_samples: int = 16,
+                 calib_seq_len: int = 512) -> Path:
+    """The build of the scale check: INT4 RTN or GPTQ (g128, lm_head kept; GPTQ calibrated on `calib_samples`
+    windows of `calib_seq_len` tokens of the demo's calib.txt) or fp32, ONNX Runtime CPU."""
+    calibration = (f"calibration:\n  data: {CALIBRATION_DATA}\n  num_samples: {calib_samples}\n"
+                   f"  seq_len: {calib_seq_len}\n") if method == "gptq" else ""
     text = (f"name: {name}\nversion: 1.0.0\nsource:\n  checkpoint: {checkpoint}\n"
             "target:\n  backend: onnxruntime\n  device: cpu\n  dtype: float32\n"
             "passes:\n  - name: select_attention\n  - name: capture\n" + METHODS[method]
@@ -149,7 +158,7 @@ def write_recipe(folder: Path, checkpoint: Path, method: str, name: str) -> Path
             + "  - name: fuse\n  - name: package\n"
             "runtime:\n  kv_block_size: 16\n  num_kv_blocks: 256\n  max_num_seqs: 8\n"
             "  max_num_batched_tokens: 256\n  max_model_len: 1024\n"
-            f"output: {folder / 'artifacts'}\n")
+            f"{calibration}output: {folder / 'artifacts'}\n")
     path = folder / f"{name}.yaml"
     path.write_text(text, encoding="utf-8")
     return path
@@ -225,6 +234,8 @@ def main() -> None:
     ap.add_argument("--methods", default="rtn", help=f"comma-separated, of {', '.join(METHODS)}")
     ap.add_argument("--out", type=Path, default=Path("/tmp/bigmodels"), help="checkpoints and artifacts")
     ap.add_argument("--limit-gb", type=float, default=6.0, help="kill a build whose RSS passes this")
+    ap.add_argument("--calib-samples", type=int, default=16, help="GPTQ: calibration windows")
+    ap.add_argument("--calib-seq-len", type=int, default=512, help="GPTQ: tokens per calibration window")
     ap.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "build_scale.json")
     ap.add_argument("--keep", action="store_true", help="keep the built artifacts (OUT/build-SHAPE-METHOD/artifacts)")
     ap.add_argument("--references", default="", help=f"comma-separated reference builders, of {', '.join(REFERENCES)}")
@@ -240,7 +251,7 @@ def main() -> None:
             work = a.out / f"build-{shape}-{method}"
             shutil.rmtree(work, ignore_errors=True)
             work.mkdir(parents=True)
-            recipe = write_recipe(work, ckpt, method, f"scale-{shape}-{method}")
+            recipe = write_recipe(work, ckpt, method, f"scale-{shape}-{method}", a.calib_samples, a.calib_seq_len)
             dry = subprocess.run([sys.executable, "-m", "compiler.cli", "build", str(recipe), "--dry-run"],
                                  capture_output=True, text=True, env=env)
             estimate = None
@@ -253,7 +264,8 @@ def main() -> None:
             info = work / "artifacts" / f"scale-{shape}-{method}" / "1.0.0" / "build.json"
             if info.is_file():
                 passes = json.loads(info.read_text()).get("memory", {})
-            row = {"shape": shape, "method": method, "estimate_bytes": estimate, **r, "per_pass": passes}
+            row = {"shape": shape, "method": method, "estimate_bytes": estimate, **r, "per_pass": passes,
+                   **({"calibration_tokens": a.calib_samples * a.calib_seq_len} if method == "gptq" else {})}
             rows.append(row)
             status = "ok" if r["rc"] == 0 else ("killed at limit" if r["killed_at_limit"] else f"rc {r['rc']}")
             print(f"{shape:>5} {method:>4}: peak {_gb(r['peak_rss_bytes'])} GB, estimate {_gb(estimate)} GB, "

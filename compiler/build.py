@@ -47,6 +47,7 @@ from compiler.memory import (
 from compiler.passes import PASSES, BuildContext, BuildError, Pass, pass_options
 from compiler.recipe import Recipe, RecipeError, load_recipe
 from compiler.streamed import reset as reset_streamed
+from compiler.streamed import use_spill_folder
 from compiler.targets import supported, target_for
 from runtime.artifact import check_version_unused, write_build_info, write_manifest
 
@@ -678,6 +679,7 @@ def build(recipe_path: str | Path, progress: bool = True, output: str | Path | N
     ctx = BuildContext(recipe=recipe, checkpoint=p.checkpoint, staging=staging)
     ctx.artifacts["no_autotune"] = not autotune
     ctx.artifacts["streamed"] = p.streamed
+    use_spill_folder(final.parent / f".{recipe.version}.spill-{os.getpid()}")  # arrays computed before package
     timings: dict[str, float] = {}
     memory: dict[str, int] = {}
     sampler = RssSampler()
@@ -763,8 +765,8 @@ def build(recipe_path: str | Path, progress: bool = True, output: str | Path | N
 
 
 def _remove_stale_staging(parent: Path, version: str) -> None:
-    """Remove the staging folders of builds of this version that were killed (their process is gone)."""
-    for stale in parent.glob(f".{version}.staging-*"):
+    """Remove the staging and spill folders of builds of this version that were killed (their process is gone)."""
+    for stale in [*parent.glob(f".{version}.staging-*"), *parent.glob(f".{version}.spill-*")]:
         pid = stale.name.rsplit("-", 1)[-1]
         if not pid.isdigit():
             continue

@@ -145,7 +145,47 @@ def _quantized_bytes(info: CheckpointInfo, passes: list[Any]) -> tuple[int, int]
 
 # the passes a streamed build runs (the others read or change the weights of the whole model, or run it:
 # plan_cuda_graphs runs each decode bucket in an ONNX Runtime session of the graph in memory)
-STREAMING_PASSES = ("select_attention", "capture", "quantize_rtn", "lower_onnx", "lower_quant", "fuse", "package")
+STREAMING_PASSES = ("select_attention", "capture", "quantize_rtn", "quantize_gptq", "lower_onnx", "lower_quant",
+                    "fuse", "package")
+# a streamed GPTQ's calibration batches (compiler/quant/calibration.py LayerRunner: dense attention) and the
+# float32 tensors a decoder layer's forward holds per token, in units of (3 x intermediate + 6 x hidden)
+GPTQ_BATCH_TOKENS = 4096
+
+
+def gptq_streamed_bytes(recipe: Recipe, info: CheckpointInfo) -> int:
+    """What a streamed quantize_gptq holds at its peak (compiler/passes/quantize_gptq.py): one decoder layer's
+    weights in float32, the calibration hidden states (T tokens x hidden, float32, twice while a layer's output
+    replaces its input), and the larger of the two phases of one true-sequential step of Linears with input
+    width d: capturing (the step's float64 Hessian accumulators, one x^T x product, a batch's inputs in float64
+    and the layer's forward activations of a batch) and quantizing (the Hessians not yet used, GPTQ's three
+    [d, d] float64 matrices, the weight and its codes in float64); or, before the layers, the embedding
+    table read whole (float32 and the checkpoint's copy) beside the hidden states, where that is more."""
+    from compiler.passes.quantize_gptq import sequential_steps
+    from compiler.recipe import DEFAULT_CALIBRATION_SAMPLES
+
+    cal = recipe.calibration
+    tokens = (cal.num_samples or DEFAULT_CALIBRATION_SAMPLES) * cal.seq_len if cal is not None else 0
+    cfg = info.config
+    batch = min(tokens, GPTQ_BATCH_TOKENS)
+    forward = batch * (3 * cfg.intermediate_size + 6 * cfg.hidden_size) * 4
+    layer = [(n, shape) for n, (_dtype, shape) in info.tensors.items() if n.startswith("model.layers.0.")]
+    weights = sum(math.prod(shape) for _n, shape in layer) * 4
+    linears = {n.removesuffix(".weight"): shape for n, shape in layer if n.endswith(".weight") and len(shape) == 2}
+    worst = 0
+    for step in sequential_steps(list(linears)):
+        d = max(linears[n][1] for n in step)
+        out = max(linears[n][0] for n in step)
+        hess = d * d * 8
+        capturing = (len(step) + 1) * hess + batch * d * 8 + forward
+        quantizing = (len(step) - 1 + 3) * hess + 2 * out * d * 8
+        worst = max(worst, capturing, quantizing)
+    hidden = tokens * cfg.hidden_size * 4
+    # before the layers: the embedding read whole (float32 and the checkpoint's copy) for the hidden states
+    from compiler.checkpoint import _DTYPE_BYTES
+
+    embed = next((math.prod(shape) * (4 + _DTYPE_BYTES.get(dtype, 4)) for n, (dtype, shape) in info.tensors.items()
+                  if n.endswith("embed_tokens.weight")), 0)
+    return max(weights + 2 * hidden + worst, embed + hidden)
 
 
 def streaming_reason(recipe: Recipe, info: CheckpointInfo) -> str | None:
@@ -177,7 +217,8 @@ def estimate_pass_peaks(recipe: Recipe, info: CheckpointInfo, passes: list[Any],
     graph (1.5 x the lowered model).
 
     Streamed weights (compiler/streamed.py): the passes up to fuse add only their imports (the graph holds no
-    weights); package holds the larger of its per-tensor work (STREAM_WORK x the largest checkpoint tensor in
+    weights; quantize_gptq holds one decoder layer and its calibration working set while it runs,
+    `gptq_streamed_bytes`, and frees it); package holds the larger of its per-tensor work (STREAM_WORK x the largest checkpoint tensor in
     float32: the tensor, its quantization's temporaries, the packed result) and ONNX Runtime's session of the
     written artifact (which reads the file: 0.75 x its float bytes, 1.1 x its MatMulNBits bytes, prepacked).
 
@@ -195,6 +236,9 @@ def estimate_pass_peaks(recipe: Recipe, info: CheckpointInfo, passes: list[Any],
     for ps in passes:
         if ps.name == "capture":
             resident += TORCH_OVERHEAD + (0 if streamed else weights)
+        elif ps.name == "quantize_gptq" and streamed:  # one layer at a time, its codes spilled to disk
+            out[ps.name] = resident + gptq_streamed_bytes(recipe, info)
+            continue
         elif hasattr(ps, "estimated_bytes"):
             resident += 0 if streamed else q_params + (weights if gate else 0)
         elif ps.name == "lower_onnx":

@@ -13,12 +13,19 @@ of the same recipe give the same bytes.
 
 A `Deferred` keyed by `key` shares its result with the other tensors of the same computation (INT4 codes,
 scales and zero points of one weight): the last few results are cached (`CACHE_ENTRIES`).
+
+A result computed before package writes it (quantize_gptq's codes of one decoder layer, which need the
+calibration activations of that layer) is `spill`ed: written to a .npy file in the build's spill folder
+(`use_spill_folder`: beside the staging folder, removed by `reset` and, after a killed build, by the next
+build; a temporary folder outside a build) and read back when its turn comes, so no pass holds them all.
 """
 
 from __future__ import annotations
 
 import itertools
+import shutil
 import sys
+import tempfile
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -36,6 +43,9 @@ CACHE_ENTRIES = 6  # computations kept (a fused QKV reads three weights, each fo
 _ids = itertools.count(1)
 _registry: dict[int, Deferred] = {}
 _cache: OrderedDict[Any, Any] = OrderedDict()
+_spill: Path | None = None  # the folder spilled arrays go to (created on first use)
+_spill_created = False
+_spilled = itertools.count(1)
 
 
 def cached(key: Any, fn: Callable[[], Any]) -> Any:
@@ -101,9 +111,39 @@ def concatenate(parts: list[Any], axis: int) -> Deferred:
 
 
 def reset() -> None:
-    """Forget every streamed tensor and cached result (the end of a build)."""
+    """Forget every streamed tensor and cached result and remove the spill folder (the end of a build)."""
+    global _spill, _spill_created
     _registry.clear()
     _cache.clear()
+    if _spill is not None and _spill_created:
+        shutil.rmtree(_spill, ignore_errors=True)
+    _spill, _spill_created = None, False
+
+
+def use_spill_folder(path: Path) -> None:
+    """Spill this build's arrays into `path` (created when the first is spilled, removed by `reset`)."""
+    global _spill, _spill_created
+    _spill, _spill_created = path, False
+
+
+def spill_folder() -> Path:
+    """The build's folder of spilled arrays (a new temporary folder where none was set)."""
+    global _spill, _spill_created
+    if _spill is None:
+        _spill = Path(tempfile.mkdtemp(prefix="optimize-spill-"))
+        _spill_created = True
+    elif not _spill_created:
+        _spill.mkdir(parents=True, exist_ok=True)
+        _spill_created = True
+    return _spill
+
+
+def spill(array: np.ndarray, key: Any = None) -> Deferred:
+    """`array` written to the spill folder; a Deferred that reads it back (not held in memory)."""
+    path = spill_folder() / f"{next(_spilled)}.npy"
+    array = np.ascontiguousarray(array)
+    np.save(path, array, allow_pickle=False)
+    return Deferred(array.shape, array.dtype, lambda: np.load(path, allow_pickle=False), key)
 
 
 def register(value: Deferred) -> int:

@@ -177,13 +177,15 @@ def _fp32_bytes(shape: dict[str, int], vocab: int = 4096) -> tuple[int, int]:
     return 4 * (layer + edges), 4 * (layer * shape["num_hidden_layers"] + edges)
 
 
-def measured_streamed_rtn_build(tmp_path: Path, ckpt: Path, size: str, limit: int) -> tuple[int, int, float, Path]:
+def measured_streamed_rtn_build(tmp_path: Path, ckpt: Path, size: str, limit: int, method: str = "rtn"
+                                ) -> tuple[int, int, float, Path]:
     """Build `ckpt` to INT4 RTN (bench/build_scale.py's recipe, streamed weights) in a subprocess sampled from
     outside: (peak RSS, the dry run's estimate, the streaming ceiling, the artifact). The ceiling: the
     imports' fixed overhead + 1.5 x (one decoder layer + embedding + head, float32) + the written artifact
-    (package loads it in an ONNX Runtime session as its check)."""
-    name = f"mem-{size}"
-    recipe = write_scale_recipe(tmp_path, ckpt, "rtn", name)
+    (package loads it in an ONNX Runtime session as its check). `method` gptq: calibrated on 4 x 128 tokens,
+    and the ceiling adds one true-sequential step's Hessians and GPTQ's three [in, in] float64 matrices."""
+    name = f"mem-{size}-{method}"
+    recipe = write_scale_recipe(tmp_path, ckpt, method, name, calib_samples=4, calib_seq_len=128)
     p = plan(recipe)
     assert p.streamed, p.loads_model_because
     estimate = max(p.pass_peaks.values())
@@ -194,6 +196,8 @@ def measured_streamed_rtn_build(tmp_path: Path, ckpt: Path, size: str, limit: in
     artifact = tmp_path / "artifacts" / name / "1.0.0"
     edges, _model = _fp32_bytes(SHAPES[size])
     ceiling = FIXED_OVERHEAD + 1.5 * edges + (artifact / "model.onnx.data").stat().st_size
+    if method == "gptq":
+        ceiling += 4 * SHAPES[size]["intermediate_size"] ** 2 * 8
     assert peak <= ceiling, f"peak {peak / 2**20:.0f} MiB > ceiling {ceiling / 2**20:.0f} MiB"
     assert 0.75 * peak <= estimate <= 1.25 * peak, f"estimate {estimate / 2**20:.0f} MiB, peak {peak / 2**20:.0f} MiB"
     return peak, estimate, ceiling, artifact
@@ -223,18 +227,27 @@ STREAMED_PASSES = ("  - name: capture\n  - name: quantize_rtn\n  - name: lower_o
                    "  - name: fuse\n  - name: package\n")
 
 
-def test_streamed_build_writes_the_bytes_of_a_loaded_build(tmp_path: Path) -> None:
-    """A random 2-layer Llama with a tied head to INT4 RTN with fusion, once with its weights streamed into
-    the artifact tensor by tensor and once with the whole model loaded: the same model.onnx and
+GPTQ_PASS = "  - name: quantize_gptq\n    options: {act_order: true}\n"
+CALIBRATION = f"calibration:\n  data: {ROOT / 'models' / 'pycode-llama-6m' / 'calib.txt'}\n  num_samples: 4\n  seq_len: 128\n"
+
+
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
+def test_streamed_build_writes_the_bytes_of_a_loaded_build(tmp_path: Path, method: str) -> None:
+    """A random 2-layer Llama with a tied head to INT4 RTN or GPTQ with fusion, once with its weights streamed
+    into the artifact tensor by tensor and once with the whole model loaded: the same model.onnx and
     model.onnx.data, byte for byte (MatMulNBits packing, the fused gate/up and QKV concatenations, the float
-    embedding and the head read from the embedding, all computed when written)."""
+    embedding and the head read from the embedding, all computed when written; GPTQ: each layer read from the
+    checkpoint, quantized from the calibration activations and its codes spilled to disk, layer by layer)."""
     ckpt = make_random_checkpoint(tmp_path / "ckpt", "LlamaForCausalLM", seed=3, hidden_size=256, head_dim=64,
                                   intermediate_size=704, tie_word_embeddings=True)
+    quantize = "  - name: quantize_rtn\n" if method == "rtn" else GPTQ_PASS
     out = {}
     for mode in ("stream", "load"):
         passes = STREAMED_PASSES.replace("  - name: capture\n", f"  - name: capture\n    options: {{weights: {mode}}}\n")
+        passes = passes.replace("  - name: quantize_rtn\n", quantize)
         (tmp_path / mode).mkdir()
-        recipe = write_recipe(tmp_path / mode, ckpt, name=f"rtn-{mode}", passes=passes)
+        recipe = write_recipe(tmp_path / mode, ckpt, name=f"{method}-{mode}", passes=passes,
+                              extra=CALIBRATION if method == "gptq" else "")
         p = plan(recipe)
         assert p.streamed == (mode == "stream"), p.loads_model_because
         out[mode] = build(recipe, progress=False, autotune=False)
@@ -246,7 +259,15 @@ def test_streamed_build_writes_the_bytes_of_a_loaded_build(tmp_path: Path) -> No
     # the 7 matrices of each layer, the embedding and the head (the norms, under the exporter's folding
     # size, are loaded)
     assert stats["capture"]["streamed_parameters"] == 2 * 7 + 2
-    assert stats["quantize_rtn"]["streamed"] == stats["quantize_rtn"]["quantized_count"] == 2 * 7
+    if method == "rtn":
+        assert stats["quantize_rtn"]["streamed"] == stats["quantize_rtn"]["quantized_count"] == 2 * 7
+    else:
+        loaded = {r["name"]: r.get("stats", {})
+                  for r in json.loads((out["load"] / "manifest.json").read_text())["passes"]}
+        assert stats["quantize_gptq"]["streamed_layers"] == 2 and stats["quantize_gptq"]["quantized_count"] == 2 * 7
+        # the same Hessians and rounding: the same reconstruction loss per Linear
+        assert stats["quantize_gptq"]["reconstruction_loss"] == loaded["quantize_gptq"]["reconstruction_loss"]
+        assert len(stats["quantize_gptq"]["reconstruction_loss"]) == 2 * 7
     assert stats["package"]["onnxruntime_session"].startswith("loads")
     assert stats["package"]["streamed_tensors"] > 0
 
@@ -279,3 +300,17 @@ def test_streamed_int4_build_stays_under_one_layer_ceiling(small_llama: Path, tm
     _peak, _estimate, ceiling, _artifact = measured_streamed_rtn_build(tmp_path, small_llama, "25m", 4 << 30)
     _edges, model = _fp32_bytes(SHAPES["25m"])
     assert ceiling < FIXED_OVERHEAD + 3.5 * model  # the ceiling is below what a loaded build holds
+
+
+def test_streamed_gptq_build_holds_one_layer_at_a_time(small_llama: Path, tmp_path: Path) -> None:
+    """A streamed INT4 GPTQ build of a 25M-parameter Llama, sampled from outside: under the streaming ceiling
+    (plus one step's Hessians), within +-25 % of the dry run's estimate, and quantize_gptq's own peak within
+    +-25 % of its estimate (one decoder layer in float32, the calibration hidden states, the Hessians)."""
+    _peak, _estimate, _ceiling, artifact = measured_streamed_rtn_build(tmp_path, small_llama, "25m", 4 << 30,
+                                                                      method="gptq")
+    info = json.loads((artifact / "build.json").read_text())
+    assert info["weights"] == "streamed"
+    got = info["memory"]["pass.quantize_gptq"]
+    est = info["estimates"]["build_peak_by_pass"]["quantize_gptq"]
+    assert 0.75 * got <= est <= 1.25 * got, (est, got)
+    assert not list((tmp_path / "artifacts" / "mem-25m-gptq").glob(".*spill*"))  # the spilled codes removed

@@ -5,11 +5,19 @@ For each decoder layer, in the order the layer computes (q/k/v, then o, then gat
 calibration windows with the earlier Linears already quantized, then GPTQ rounds the weights
 (compiler/quant/gptq.py). The next layer's input is the quantized layer's output. Memory: one
 layer's activations and one [in, in] Hessian per Linear of the current step.
+
+With streamed weights (compiler/streamed.py: capture left the large parameters unread) the pass holds one
+decoder layer at a time: the embedding is read for the calibration tokens' hidden states and dropped, then
+each layer's weights are read from the checkpoint (capture's `deferred_params`) into its parameters, the layer
+is quantized as above, its INT4 codes are spilled to disk (int4.SpilledInt4, read back when package writes
+them) and its weights dropped. The parameters keep their unread storage, which lower_onnx recognises.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -33,6 +41,32 @@ def sequential_steps(names: list[str]) -> list[list[str]]:
     steps = [[n for n in names if n.rsplit(".", 1)[-1] in roles] for roles in SEQUENTIAL_ROLES]
     rest = [n for n in names if not any(n in s for s in steps)]
     return [s for s in steps if s] + ([rest] if rest else [])
+
+
+@contextmanager
+def parameters_read(model: Any, deferred: dict[str, tuple[int, Any]], names: list[str]) -> Iterator[None]:
+    """The streamed parameters `names` of `model` hold their checkpoint values for the duration (read one at
+    a time from capture's `deferred_params`); then their unread storage again (the values are freed)."""
+    import numpy as np
+    import torch
+
+    from compiler.memory import trim_heap
+
+    kept: list[tuple[Any, Any]] = []
+    try:
+        for name in names:
+            p = model.get_parameter(name)
+            value = deferred[name][1].compute()
+            if not value.flags.writeable:
+                value = np.array(value)
+            kept.append((p, p.data))
+            p.data = torch.from_numpy(value)
+        yield
+    finally:
+        for p, unread in kept:
+            p.data = unread
+        kept.clear()
+        trim_heap()
 
 
 @dataclass(frozen=True)
@@ -68,12 +102,11 @@ class QuantizeGptqPass(Int4WeightSizes, Pass):
         return True
 
     def run(self, ctx: BuildContext) -> dict[str, Any]:
-        from compiler.quant import gptq, int4
+        from compiler.quant import int4
         from compiler.quant.calibration import LayerRunner, float32_search, load_calibration
         from compiler.quant.state import (
             QuantizedWeight,
             begin,
-            layer_linears,
             progress_done,
             progress_task,
             quant_state,
@@ -85,51 +118,82 @@ class QuantizeGptqPass(Int4WeightSizes, Pass):
 
         c = self.config
         model = begin(ctx, self.name)
+        # streamed: parameter -> its checkpoint reader, for the parameters capture left unread
+        deferred: dict[str, tuple[int, Any]] = ctx.artifacts.get("deferred_params", {})
+
+        def streamed_under(prefix: str) -> list[str]:
+            return [n for n in deferred if n.startswith(prefix)]
+
+        def keep(name: str, method: str, q: int4.Int4Weight) -> None:
+            """The quantized weight: written back dequantized (the next steps and layers see it); a streamed
+            layer's codes go to disk."""
+            lin = model.get_submodule(name)
+            write_weight(lin, q.dequantize())
+            streamed = f"{name}.weight" in deferred
+            st.weights[f"{name}.weight"] = QuantizedWeight(f"{name}.weight", method,
+                                                           int4.SpilledInt4(f"{name}.weight", q) if streamed else q)
+
         with float32_search(model):  # searches in float32 on the target's weights
             st = quant_state(ctx)
             targets = target_linears(model, c.ignore)
             cal = load_calibration(ctx, self.name)
-            runner = LayerRunner(model, cal.samples)
+            with parameters_read(model, deferred, streamed_under("embed_tokens.")):
+                runner = LayerRunner(model, cal.samples)
             bar, task = progress_task(ctx, "gptq", len(model.layers))
             losses: dict[str, float] = {}
             unseen: list[str] = []  # Linears no calibration token reached (experts): rounded to nearest
             for i, layer in enumerate(model.layers):
                 prefix = f"layers.{i}"
-                mine = layer_linears(layer, prefix, targets)
-                steps = sequential_steps(list(mine))
-                if not c.true_sequential:
-                    steps = [[n for s in steps for n in s]]
-                for step in steps:
-                    hess = {n: gptq.Hessian(mine[n].in_features) for n in step}
-                    runner.capture(i, {n: mine[n] for n in step}, sink=lambda n, x, hess=hess: hess[n].add(x))
-                    for n in step:
-                        if hess[n].n == 0:  # an expert no calibration token was routed to
-                            q = int4.quantize_rtn(mine[n].weight, c.group_size, symmetric=c.symmetric)
-                            write_weight(mine[n], q.dequantize())
-                            st.weights[f"{n}.weight"] = QuantizedWeight(f"{n}.weight", "rtn", q)
-                            unseen.append(n)
-                            continue
-                        try:
-                            q, loss = gptq.gptq_quantize(mine[n].weight, hess[n].value(), c.group_size, c.damp,
-                                                         c.act_order, c.block_size, c.symmetric, c.range_search)
-                        except ValueError as e:
-                            raise BuildError(f"quantize_gptq: {n}: {e}") from e
-                        write_weight(mine[n], q.dequantize())
-                        st.weights[f"{n}.weight"] = QuantizedWeight(f"{n}.weight", "gptq", q)
-                        losses[n] = loss
-                runner.advance(i)  # the quantized layer's output feeds the next layer
+                with parameters_read(model, deferred, streamed_under(prefix + ".")):
+                    self._quantize_layer(i, layer, prefix, targets, runner, keep, losses, unseen)
                 if bar is not None:
                     bar.advance(task)
             progress_done(bar, task)
             for name, lin in targets.items():  # Linears outside the decoder layers (an un-ignored lm_head)
                 if f"{name}.weight" not in st.weights:
+                    source = deferred.get(f"{name}.weight")
+                    if source is not None:  # streamed: rounded when package writes it
+                        st.weights[f"{name}.weight"] = QuantizedWeight(
+                            f"{name}.weight", "rtn", int4.StreamedInt4(f"{name}.weight", source[1], c.group_size,
+                                                                       c.symmetric))
+                        continue
                     q = int4.quantize_rtn(lin.weight, c.group_size, symmetric=c.symmetric)
                     write_weight(lin, q.dequantize())
                     st.weights[f"{name}.weight"] = QuantizedWeight(f"{name}.weight", "rtn", q)
             st.weight_method = self.name
+            extra = {"streamed_layers": len(model.layers)} if deferred else {}
             return {"method": "gptq", "bits": 4, "group_size": c.group_size, "symmetric": c.symmetric,
                     "damp": c.damp, "act_order": c.act_order, "range_search": c.range_search,
                     "calibration": cal.record,
                     "reconstruction_loss": {k: float(f"{v:.6g}") for k, v in sorted(losses.items())},
                     "unseen_rtn": unseen,
-                    **stats_for(st, model, skipped_modules(model, st.weights, c.ignore))}
+                    **stats_for(st, model, skipped_modules(model, st.weights, c.ignore)), **extra}
+
+    def _quantize_layer(self, i: int, layer: Any, prefix: str, targets: dict[str, Any], runner: Any,
+                        keep: Any, losses: dict[str, float], unseen: list[str]) -> None:
+        """GPTQ of decoder layer i's target Linears, step by step; then the runner advances past the layer."""
+        from compiler.quant import gptq, int4
+        from compiler.quant.state import layer_linears
+
+        c = self.config
+        mine = layer_linears(layer, prefix, targets)
+        steps = sequential_steps(list(mine))
+        if not c.true_sequential:
+            steps = [[n for s in steps for n in s]]
+        for step in steps:
+            hess = {n: gptq.Hessian(mine[n].in_features) for n in step}
+            runner.capture(i, {n: mine[n] for n in step}, sink=lambda n, x, hess=hess: hess[n].add(x))
+            for n in step:
+                if hess[n].n == 0:  # an expert no calibration token was routed to
+                    keep(n, "rtn", int4.quantize_rtn(mine[n].weight, c.group_size, symmetric=c.symmetric))
+                    unseen.append(n)
+                    continue
+                try:  # the accumulator freed, its value (a copy) dampened and inverted in place
+                    q, loss = gptq.gptq_quantize(mine[n].weight, hess.pop(n).value(), c.group_size, c.damp,
+                                                 c.act_order, c.block_size, c.symmetric, c.range_search,
+                                                 overwrite_h=True)
+                except ValueError as e:
+                    raise BuildError(f"quantize_gptq: {n}: {e}") from e
+                keep(n, "gptq", q)
+                losses[n] = loss
+        runner.advance(i)  # the quantized layer's output feeds the next layer

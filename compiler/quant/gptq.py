@@ -41,22 +41,26 @@ class Hessian:
 
 def gptq_quantize(w: torch.Tensor, h: torch.Tensor, group_size: int, damp: float = 0.01,
                   act_order: bool = False, block_size: int = 128, symmetric: bool = False,
-                  range_search: bool = False) -> tuple[int4.Int4Weight, float]:
+                  range_search: bool = False, overwrite_h: bool = False) -> tuple[int4.Int4Weight, float]:
     """INT4 codes of W [out, in] given the Hessian H [in, in]; returns (weight, reconstruction loss).
     `range_search`: each group's range by int4.search_range (least |Q(w) - w|^2.4 over shrunk ranges)
-    instead of its min and max."""
+    instead of its min and max. `overwrite_h`: H (float64) is changed in place instead of copied."""
+    # memory: three [in, in] float64 matrices at a time (H, its Cholesky factor, the inverse), with overwrite_h
     w = w.detach().to(torch.float64).clone()
-    h = h.to(torch.float64).clone()
+    h = h if overwrite_h and h.dtype == torch.float64 else h.to(torch.float64).clone()
     rows, cols = w.shape
     dead = torch.diag(h) == 0
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
     perm = torch.argsort(torch.diag(h), descending=True, stable=True) if act_order else torch.arange(cols)
-    w = w[:, perm]
-    h = h[perm][:, perm]
-    h += damp * torch.mean(torch.diag(h)) * torch.eye(cols, dtype=torch.float64)
+    if act_order:
+        w = w[:, perm]
+        h = h[perm][:, perm]
+    h.diagonal().add_(damp * torch.mean(torch.diag(h)))  # H + damp * mean(diag H) * I
     try:
-        hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+        hinv = torch.cholesky_inverse(torch.linalg.cholesky(h))
+        del h
+        hinv = torch.linalg.cholesky(hinv, upper=True)
     except RuntimeError as e:  # not positive definite even after dampening
         raise ValueError(f"Hessian is not positive definite (raise damp above {damp}): {e}") from e
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from compiler.streamed import Deferred, cached
+from compiler.streamed import Deferred, cached, spill
 
 MAXQ = 15  # 4 bits, unsigned codes
 SYMMETRIC_ZERO = 8  # the zero point of symmetric INT4: code - 8 is the signed value
@@ -176,6 +176,17 @@ class StreamedInt4(Int4Weight):
 
     def dequantize(self) -> torch.Tensor:
         raise TypeError("a streamed INT4 weight is computed when the artifact is written, not dequantized")
+
+
+class SpilledInt4(StreamedInt4):
+    """An INT4 weight computed during the build (GPTQ of one streamed decoder layer) and kept on disk, not in
+    memory: codes, scales and zero points are written to the build's spill folder (compiler/streamed.py
+    `spill`) and read back when the artifact is written."""
+
+    def __init__(self, name: str, q: Int4Weight) -> None:
+        self.key = ("spilled", name, q.group_size, q.symmetric)
+        Int4Weight.__init__(self, codes=spill(q.codes), scales=spill(q.scales),  # type: ignore[arg-type]
+                            zeros=spill(q.zeros), group_size=q.group_size, symmetric=q.symmetric)
 
 
 def quantize_rtn(w: torch.Tensor, group_size: int, max_val: torch.Tensor | None = None, symmetric: bool = False
