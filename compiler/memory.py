@@ -36,11 +36,9 @@ TORCH_OVERHEAD = 425 * MIB
 ONNX_OVERHEAD = 100 * MIB
 ORT_OVERHEAD = 50 * MIB
 FIXED_OVERHEAD = START_OVERHEAD + TORCH_OVERHEAD + ONNX_OVERHEAD + ORT_OVERHEAD
-# streamed builds (measured at 100M-1B): package's work per tensor, in units of the largest tensor in float32,
-# and ONNX Runtime's session of the written artifact per byte of its float and its MatMulNBits weights
-STREAM_WORK = 6
-STREAM_SESSION_FLOAT = 0.75
-STREAM_SESSION_QUANTIZED = 1.1
+# streamed builds (measured at 100M-1B): package's work per tensor, in units of the largest tensor in float32
+# (its session check of the written file runs without prepacking: the weights stay memory-mapped, untouched)
+STREAM_WORK = 3
 _FLOAT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
@@ -218,9 +216,9 @@ def estimate_pass_peaks(recipe: Recipe, info: CheckpointInfo, passes: list[Any],
 
     Streamed weights (compiler/streamed.py): the passes up to fuse add only their imports (the graph holds no
     weights; quantize_gptq holds one decoder layer and its calibration working set while it runs,
-    `gptq_streamed_bytes`, and frees it); package holds the larger of its per-tensor work (STREAM_WORK x the largest checkpoint tensor in
-    float32: the tensor, its quantization's temporaries, the packed result) and ONNX Runtime's session of the
-    written artifact (which reads the file: 0.75 x its float bytes, 1.1 x its MatMulNBits bytes, prepacked).
+    `gptq_streamed_bytes`, and frees it); package holds its per-tensor work (STREAM_WORK x the largest checkpoint
+    tensor in float32: the tensor, its quantization's temporaries, the packed result); its ONNX Runtime session
+    check of the written artifact does not prepack, so the file's weights stay memory-mapped and untouched.
 
     The coefficients are measured (build.json's `memory`) on random Llamas of 25M-1B parameters
     (docs/architecture.md, "Build memory")."""
@@ -230,7 +228,6 @@ def estimate_pass_peaks(recipe: Recipe, info: CheckpointInfo, passes: list[Any],
     onnx = weights - q_params * nbytes + q_stored  # the lowered model after lower_quant
     gate = recipe.quality.eval_data is not None
     largest = max((math.prod(shape) for _dtype, shape in info.tensors.values()), default=0) * 4
-    session = int(STREAM_SESSION_FLOAT * (weights - q_params * nbytes) + STREAM_SESSION_QUANTIZED * q_stored)
     resident = START_OVERHEAD
     out: dict[str, int] = {}
     for ps in passes:
@@ -248,7 +245,7 @@ def estimate_pass_peaks(recipe: Recipe, info: CheckpointInfo, passes: list[Any],
         elif ps.name == "fuse":
             resident += ORT_OVERHEAD + (0 if streamed else int(1.5 * onnx))
         elif ps.name == "package" and streamed:
-            out[ps.name] = resident + max(STREAM_WORK * largest, session)
+            out[ps.name] = resident + STREAM_WORK * largest
             continue
         out[ps.name] = resident
     return out

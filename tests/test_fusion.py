@@ -177,9 +177,14 @@ def test_random_model_greedy(random_pair: tuple[str, Path, Path, Path, dict]) ->
 
 
 def test_int4_fused_matches_unfused(tmp_path: Path) -> None:
+    """MatMulNBits computing in float32 (accuracy_level 1): with int8 activations (level 4, the CPU default)
+    ONNX Runtime rounds each block of a Linear's input to int8, so the last-bit difference of a fused
+    normalisation (SkipSimplifiedLayerNormalization's summation order) can move a code by one and the logits
+    by ~6e-3 on a CPU with VNNI: the fusion would not be what is measured."""
     ckpt = make_random_checkpoint(tmp_path / "ckpt", "LlamaForCausalLM", seed=21)
     passes = ("  - name: capture\n  - name: quantize_rtn\n    options: {group_size: 32, ignore: [lm_head]}\n"
-              "  - name: lower_onnx\n  - name: lower_quant\n  - name: fuse\n  - name: package\n")
+              "  - name: lower_onnx\n  - name: lower_quant\n    options: {accuracy_level: 1}\n"
+              "  - name: fuse\n  - name: package\n")
     fused = build_both(write_recipe(tmp_path, ckpt, name="int4", passes=passes), tmp_path / "unfused")
     unfused = tmp_path / "unfused"
     stats = fuse_stats(fused)

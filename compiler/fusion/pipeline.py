@@ -214,9 +214,12 @@ def check_model(model: onnx.ModelProto, onnxruntime_session: bool = True) -> dic
     return out
 
 
-def load_in_cpu_session(source: str | bytes, kernel: bool) -> None:
+def load_in_cpu_session(source: str | bytes, kernel: bool, prepack: bool = True) -> None:
     """Create an ONNX Runtime CPU session of a model (a file path or its bytes) without graph optimizations,
-    with the package's C ops registered when it uses them; raises what ONNX Runtime raises."""
+    with the package's C ops registered when it uses them; raises what ONNX Runtime raises. `prepack=False`
+    skips the kernels' weight prepacking: a file's external data is then memory-mapped and never copied, so
+    the check of a written artifact costs about no memory whatever its size (the graph, its types and shapes,
+    and every node's kernel, custom ops included, are still created)."""
     import onnxruntime as ort
 
     from runtime.kernels.paged_attention_cpu import register
@@ -224,6 +227,8 @@ def load_in_cpu_session(source: str | bytes, kernel: bool) -> None:
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     so.intra_op_num_threads = 1
+    if not prepack:
+        so.add_session_config_entry("session.disable_prepacking", "1")
     if kernel:
         register(so)
     ort.InferenceSession(source, so, providers=["CPUExecutionProvider"])

@@ -86,11 +86,12 @@ def kv_write(attention: dict[str, Any] | None) -> str:
 
 def check_session(model_path: Any, kernel: bool) -> str:
     """Load the written model in an ONNX Runtime CPU session (fuse's check, for a graph whose weights were
-    streamed to the file); BuildError if it does not load."""
+    streamed to the file); BuildError if it does not load. Without prepacking, so the file's weights stay
+    memory-mapped and untouched: the check's memory does not grow with the artifact."""
     from compiler.fusion.pipeline import load_in_cpu_session
 
     try:
-        load_in_cpu_session(str(model_path), kernel)
+        load_in_cpu_session(str(model_path), kernel, prepack=False)
     except Exception as e:
         raise BuildError(f"package: the written model does not load in ONNX Runtime: {str(e).splitlines()[0]}") from e
     return "loads (CPUExecutionProvider)"
