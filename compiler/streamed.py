@@ -38,6 +38,8 @@ if TYPE_CHECKING:  # pragma: no cover - onnx is imported where a graph is handle
     from onnx import TensorProto
 
 STREAMED_LOCATION = "optimize-streamed"
+# dtypes whose TensorProto raw_data is the array's little-endian bytes (numpy_helper.from_array)
+_PLAIN = tuple(np.dtype(t) for t in (np.float32, np.float16, np.float64, np.uint8, np.int8, np.int32, np.int64))
 CACHE_ENTRIES = 6  # computations kept (a fused QKV reads three weights, each for three tensors)
 
 _ids = itertools.count(1)
@@ -259,7 +261,7 @@ def save_model(model: onnx.ModelProto, path: Path, location: str, size_threshold
     """Write `model` to `path` with its initializers in `location` beside it, computing each streamed one
     when its turn comes: the layout of onnx.save_model(save_as_external_data=True, all_tensors_to_one_file=True,
     convert_attribute=False). Returns the number of tensors computed."""
-    from onnx import TensorProto, numpy_helper
+    from onnx import TensorProto, helper, numpy_helper
 
     if _has_subgraph_initializers(model.graph):
         raise ValueError("save_model: initializers inside subgraphs are not written by the streaming writer")
@@ -272,17 +274,23 @@ def save_model(model: onnx.ModelProto, path: Path, location: str, size_threshold
         for t in model.graph.initializer:
             d = deferred_of(t)
             if d is not None:
-                full = numpy_helper.from_array(np.ascontiguousarray(d.compute()), t.name)
-                if list(full.dims) != list(t.dims) or full.data_type != t.data_type:
-                    raise ValueError(f"streamed tensor {t.name!r} computed as {list(full.dims)} type "
-                                     f"{full.data_type}, declared {list(t.dims)} type {t.data_type}")
-                raw = full.raw_data
-                del full
+                arr = np.ascontiguousarray(d.compute())
+                if arr.dtype in _PLAIN and arr.dtype.byteorder in "=|<":  # from_array's raw_data is these bytes
+                    dims, dtype = list(arr.shape), helper.np_dtype_to_tensor_dtype(arr.dtype)
+                    raw = memoryview(arr).cast("B")  # written from the array itself: no second copy
+                else:  # types from_array converts (int4 packing, bfloat16, float8)
+                    full = numpy_helper.from_array(arr, t.name)
+                    dims, dtype, raw = list(full.dims), full.data_type, full.raw_data
+                    del full
+                del arr
+                if dims != list(t.dims) or dtype != t.data_type:
+                    raise ValueError(f"streamed tensor {t.name!r} computed as {dims} type {dtype}, declared "
+                                     f"{list(t.dims)} type {t.data_type}")
                 computed += 1
                 del t.external_data[:]
                 t.ClearField("data_location")
                 if empty + len(raw) < size_threshold:
-                    t.raw_data = raw
+                    t.raw_data = bytes(raw)
                     continue
             elif t.HasField("raw_data") and sys.getsizeof(t.raw_data) >= size_threshold:
                 raw = t.raw_data
