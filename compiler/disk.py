@@ -8,13 +8,11 @@ that counts is the free space where the output folder is, or would be created.
 
 from __future__ import annotations
 
-import logging
 import shutil
 from pathlib import Path
 
-log = logging.getLogger(__name__)
+from compiler.memory import GIB, refuse_unless_forced
 
-GIB = 1 << 30
 SLACK = 64 << 20  # model.onnx's graph, tokenizer/, runtime.json, manifest: beyond the stored weights
 MARGIN = 1.05  # the weight estimate is exact for float and packed INT4 tensors; headroom for the rest
 
@@ -44,9 +42,7 @@ def check_disk(output: Path, artifact_bytes: int, force: bool = False) -> str | 
     if free is None or need <= free[1]:
         return None
     folder, have = free
-    message = (f"the artifact needs an estimated {need / GIB:.2f} GiB on disk ({artifact_bytes / GIB:.2f} GiB of "
-               f"weights), but {folder} has {have / GIB:.2f} GiB free")
-    if force:
-        log.warning("%s; building anyway (forced)", message)
-        return None
-    return message + "; free space there, build to another folder (-o DIR), or pass --force to build anyway"
+    return refuse_unless_forced(
+        f"the artifact needs an estimated {need / GIB:.2f} GiB on disk ({artifact_bytes / GIB:.2f} GiB of "
+        f"weights), but {folder} has {have / GIB:.2f} GiB free",
+        "free space there, build to another folder (-o DIR), or pass --force to build anyway", force)

@@ -278,9 +278,15 @@ def check_memory(estimates: dict[str, int], force: bool = False) -> str | None:
     have = mem_available()
     if have is None or need <= have:
         return None
-    message = (f"the build needs an estimated {need / GIB:.2f} GiB at pass {name!r}, but this machine has "
-               f"{have / GIB:.2f} GiB available (MemAvailable)")
+    return refuse_unless_forced(
+        f"the build needs an estimated {need / GIB:.2f} GiB at pass {name!r}, but this machine has "
+        f"{have / GIB:.2f} GiB available (MemAvailable)",
+        "use a smaller recipe, free memory, or pass --force to build anyway", force)
+
+
+def refuse_unless_forced(message: str, remedy: str, force: bool) -> str | None:
+    """The reason to refuse a build (`message`; `remedy`), or None after a warning when `force`."""
     if force:
         log.warning("%s; building anyway (forced)", message)
         return None
-    return message + "; use a smaller recipe, free memory, or pass --force to build anyway"
+    return f"{message}; {remedy}"
