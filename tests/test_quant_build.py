@@ -33,8 +33,10 @@ GATE_TOKENS = 8192
 GATE_BOUND_PCT = {"int4-rtn": 2.0, "int4-awq": 1.5, "int4-gptq": 1.0, "fp8": 0.75}
 # The AWQ recipe's fit (every calibration window, 20 epochs: about 10 minutes on 2 cores) is its accuracy
 # claim, measured on the whole eval.txt by bench/quant.py; here the same recipe fits a quarter of the windows
-# for 4 epochs (the same code path, a fifth of the time) and must still beat round-to-nearest.
-SUITE_SETTINGS = {"int4-awq": {r"(?m)^      fit_epochs: 20$": "      fit_epochs: 4",
+# for 8 epochs (the same code path, about a third of the time) and must still beat round-to-nearest. At 4
+# epochs the fit had not settled: on an AVX-512 CPU it ended at +1.23 % (worse than RTN's +1.07 %), at 8
+# epochs +0.84 % there (128 windows x 4 epochs: +0.83 %).
+SUITE_SETTINGS = {"int4-awq": {r"(?m)^      fit_epochs: 20$": "      fit_epochs: 8",
                                r"(?m)^  num_samples: 232 .*$": "  num_samples: 64"}}
 
 
