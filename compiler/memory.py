@@ -158,6 +158,7 @@ def gptq_streamed_bytes(recipe: Recipe, info: CheckpointInfo) -> int:
     and the layer's forward activations of a batch) and quantizing (the Hessians not yet used, GPTQ's three
     [d, d] float64 matrices, the weight and its codes in float64); or, before the layers, the embedding
     table read whole (float32 and the checkpoint's copy) beside the hidden states, where that is more."""
+    from compiler.checkpoint import _DTYPE_BYTES
     from compiler.passes.quantize_gptq import sequential_steps
     from compiler.recipe import DEFAULT_CALIBRATION_SAMPLES
 
@@ -179,8 +180,6 @@ def gptq_streamed_bytes(recipe: Recipe, info: CheckpointInfo) -> int:
         worst = max(worst, capturing, quantizing)
     hidden = tokens * cfg.hidden_size * 4
     # before the layers: the embedding read whole (float32 and the checkpoint's copy) for the hidden states
-    from compiler.checkpoint import _DTYPE_BYTES
-
     embed = next((math.prod(shape) * (4 + _DTYPE_BYTES.get(dtype, 4)) for n, (dtype, shape) in info.tensors.items()
                   if n.endswith("embed_tokens.weight")), 0)
     return max(weights + 2 * hidden + worst, embed + hidden)

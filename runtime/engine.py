@@ -293,7 +293,7 @@ class LLMEngine:
     def _report_kernel_paths(self) -> None:
         """Log where this CPU's code path differs from the one the build's autotune measured on, how
         bfloat16 products run here, and full-range int8 weights on a CPU without an int8 dot product."""
-        from runtime.kernels.cpu_check import bf16_line, cpu_flags, int8_warning, isa_warning
+        from runtime.kernels.cpu_check import bf16_line, int8_warning, isa_warning
 
         paths = getattr(self.backend, "kernel_paths", None)
         if not paths:
@@ -304,7 +304,7 @@ class LLMEngine:
         if self.artifact.manifest.get("target", {}).get("matmul") == "bfloat16":
             level, line = bf16_line(paths)
             log.log(level, "%s", line)
-        int8 = int8_warning(self.artifact.manifest, cpu_flags())
+        int8 = int8_warning(self.artifact.manifest)
         if int8:
             log.warning("%s", int8)
 

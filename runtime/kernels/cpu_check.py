@@ -66,12 +66,13 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str] | None:
     return None
 
 
-def int8_warning(manifest: dict[str, Any], flags: set[str] | None) -> str | None:
-    """One line when the artifact's int8 weights use the full range [-127, 127] and this CPU (`flags`, None:
-    unknown) has no int8 dot product; None otherwise (reduced-range codes are exact on every x86 CPU)."""
+def int8_warning(manifest: dict[str, Any]) -> str | None:
+    """One line when the artifact's int8 weights use the full range [-127, 127] and this CPU has no int8 dot
+    product (its flags read only then); None otherwise (reduced-range codes are exact on every x86 CPU)."""
     stats = next((p.get("stats") for p in manifest.get("passes", []) if p.get("name") == "quantize_int8"), None)
     if not isinstance(stats, dict) or stats.get("weight_range") != "full":
         return None
+    flags = cpu_flags()
     if flags is not None and set(INT8_DOT_FLAGS) & flags:
         return None
     cpu = "this CPU has no VNNI or AMX" if flags is not None else "this CPU's features cannot be read"
