@@ -154,12 +154,14 @@ def gptq_streamed_bytes(recipe: Recipe, info: CheckpointInfo) -> int:
     """What a streamed quantize_gptq holds at its peak (compiler/passes/quantize_gptq.py): one decoder layer's
     weights in float32, the calibration hidden states (T tokens x hidden, float32, twice while a layer's output
     replaces its input), and the larger of the two phases of one true-sequential step of Linears with input
-    width d: capturing (the step's float64 Hessian accumulators, one x^T x product, a batch's inputs in float64
-    and the layer's forward activations of a batch) and quantizing (the Hessians not yet used, GPTQ's three
-    [d, d] float64 matrices, the weight and its codes in float64); or, before the layers, the embedding
-    table read whole (float32 and the checkpoint's copy) beside the hidden states, where that is more."""
+    width d: capturing (one float64 [d, d] Hessian accumulator per distinct input, a band of X^T X, a batch's
+    inputs in float32 and float64 and the layer's forward activations of a batch) and quantizing (the prepared
+    Hessian, in place, and the other inputs' accumulators; the weight in float64, permuted, and its codes); or,
+    before the layers, the embedding table read whole (float32 and the checkpoint's copy) beside the hidden
+    states, where that is more."""
     from compiler.checkpoint import _DTYPE_BYTES
-    from compiler.passes.quantize_gptq import sequential_steps
+    from compiler.passes.quantize_gptq import SEQUENTIAL_ROLES, sequential_steps
+    from compiler.quant.gptq import ADD_ROWS
     from compiler.recipe import DEFAULT_CALIBRATION_SAMPLES
 
     cal = recipe.calibration
@@ -175,8 +177,11 @@ def gptq_streamed_bytes(recipe: Recipe, info: CheckpointInfo) -> int:
         d = max(linears[n][1] for n in step)
         out = max(linears[n][0] for n in step)
         hess = d * d * 8
-        capturing = (len(step) + 1) * hess + batch * d * 8 + forward
-        quantizing = (len(step) - 1 + 3) * hess + 2 * out * d * 8
+        # Linears of one role group share their input (one accumulator); any others have one each
+        inputs = 1 if any(all(n.rsplit(".", 1)[-1] in roles for n in step) for roles in SEQUENTIAL_ROLES) \
+            else len(step)
+        capturing = inputs * hess + min(ADD_ROWS, d) * d * 8 + batch * d * 12 + forward
+        quantizing = inputs * hess + min(ADD_ROWS, d) * d * 8 + out * d * (2 * 8 + 1)
         worst = max(worst, capturing, quantizing)
     hidden = tokens * cfg.hidden_size * 4
     # before the layers: the embedding read whole (float32 and the checkpoint's copy) for the hidden states

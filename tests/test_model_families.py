@@ -70,6 +70,53 @@ def test_calibration_runs_the_layers_the_artifact_computes(family: str, lengths:
     torch.testing.assert_close(from_runner, logits, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["granite", "gemma2", "mixtral"])
+def test_capture_stops_the_layer_once_every_input_is_seen_and_sees_what_the_full_forward_sees(
+        family: str, tmp_path: Path) -> None:
+    """LayerRunner.capture stops a batch's forward at the last named module's input; the inputs equal those
+    a full forward of the layer feeds, and Linears fed one tensor get one float32 tensor object."""
+    arch, overrides = FAMILIES[family]
+    ckpt = make_random_checkpoint(tmp_path / "ckpt", arch, seed=5, **overrides)
+    info = inspect_checkpoint(ckpt, max_model_len=512)
+    model = LlamaForwardBatchModel(info.config, 16).eval()
+    model.load_hf_state_dict(load_weights(info), torch.float32)
+    runner = LayerRunner(model, [list(range(5, 45)), list(range(100, 131))], max_tokens_per_batch=40)
+    assert len(runner.hidden) == 2
+    layer = model.layers[0]
+    linears = {n: m for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear)}
+    steps = [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"],
+             [n for n in linears if n.endswith(("gate_proj", "up_proj"))]]
+    assert steps[2], list(linears)
+    full: dict[str, list[torch.Tensor]] = {n: [] for n in linears}
+    handles = [m.register_forward_hook(lambda _m, a, _o, n=n: full[n].append(a[0].reshape(-1, a[0].shape[-1])))
+               for n, m in linears.items()]
+    try:
+        runner.outputs(0)
+    finally:
+        for h in handles:
+            h.remove()
+    for step in steps:
+        fed: list[tuple[str, torch.Tensor]] = []
+        later: list[str] = []  # the Linears after the step's that ran
+        handles = [linears[n].register_forward_pre_hook(lambda _m, _a, n=n, later=later: later.append(n))
+                   for n in linears if not n.startswith("self_attn") and n not in step]
+        try:
+            seen = runner.capture(0, {n: linears[n] for n in step}, sink=lambda n, x, fed=fed: fed.append((n, x)))
+        finally:
+            for h in handles:
+                h.remove()
+        if family != "mixtral" or not step[0].endswith(("gate_proj", "up_proj")):  # unrouted experts: runs on
+            assert not later, later  # nothing of the MLP past the step's inputs was computed
+        assert not any(seen.values())  # streamed to the sink
+        for n in step:
+            got = [x for m, x in fed if m == n]
+            assert len(got) == len(full[n]), n
+            for a, b in zip(got, full[n], strict=True):
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
+        if step[0].endswith("q_proj"):  # one input object for q, k and v in each batch
+            assert all(fed[b][1] is fed[b + 1][1] is fed[b + 2][1] for b in range(0, len(fed), 3))
+
+
 @pytest.mark.parametrize(("passes", "needle"), [
     ("  - name: quantize_awq\n    options: {group_size: 32}\n", "quantize_awq: Olmo2ForCausalLM normalises"),
     ("  - name: quantize_int8\n    options: {smoothquant_alpha: 0.5}\n", "quantize_int8: smoothquant_alpha folds"),

@@ -187,6 +187,55 @@ def test_gptq_handles_dead_inputs_and_refuses_an_empty_hessian() -> None:
         gptq.Hessian(4).value()
 
 
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_prepares_the_hessian_in_its_own_storage_as_the_textbook_formula(act_order: bool,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """prepare permutes, dampens, inverts and factors H in place (bands of rows: ADD_ROWS made small here) and
+    gets exactly what the copying formula gets: chol((P (H + dead) P^T + damp * mean diag I)^-1) upper."""
+    monkeypatch.setattr(gptq, "ADD_ROWS", 48)
+    cols = 200
+    x = _correlated_inputs(1024, cols, seed=4)
+    x[:, 7] = 0.0  # a dead input
+    acc = gptq.Hessian(cols)
+    acc.add(x)
+    h = acc.value()
+    ref = h.clone()
+    dead = torch.diag(ref) == 0
+    ref[dead, dead] = 1.0
+    perm = torch.argsort(torch.diag(ref), descending=True, stable=True) if act_order else torch.arange(cols)
+    ref = ref[perm][:, perm]
+    ref.diagonal().add_(0.01 * torch.mean(torch.diag(ref)))
+    ref = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(ref)), upper=True)
+    ptr = h.data_ptr()
+    prep = gptq.prepare(h, 0.01, act_order)
+    assert prep.hinv.data_ptr() == ptr  # no second [in, in] matrix
+    assert torch.equal(prep.perm, perm) and torch.equal(prep.dead, dead)
+    assert torch.equal(prep.hinv, ref)
+    # the accumulator's value taken in place equals value(); Hessian.add's bands equal one X^T X product
+    acc2 = gptq.Hessian(cols)
+    acc2.add(x)
+    assert torch.equal(acc2.take(), acc.value())
+    assert torch.equal(acc.h, (lambda x64: x64.T @ x64)(x.to(torch.float64)))
+
+
+def test_linears_fed_one_input_share_one_hessian() -> None:
+    cols = {"q": 64, "k": 64, "o": 64}
+    xs = [_correlated_inputs(256, 64, seed=s) for s in (1, 2, 3, 4)]
+    shared = gptq.SharedHessians(cols)
+    for a, b in ((xs[0], xs[1]), (xs[2], xs[3])):  # two batches: q and k fed one tensor, o another
+        shared.add("q", a)
+        shared.add("k", a)
+        shared.add("o", b)
+    assert shared.of["q"] is shared.of["k"] and shared.of["o"] is not shared.of["q"]
+    alone = gptq.Hessian(64)
+    alone.add(xs[0])
+    alone.add(xs[2])
+    assert shared.of["k"].n == 512 and torch.equal(shared.of["k"].value(), alone.value())
+    with pytest.raises(RuntimeError, match="k: its input was shared with q"):
+        shared.add("q", xs[0])
+        shared.add("k", xs[1])  # k fed a tensor q was not
+
+
 def test_awq_scale_folding_keeps_the_float_function_and_the_search_helps() -> None:
     from compiler.models.llama import RMSNorm
 

@@ -16,6 +16,7 @@ them) and its weights dropped. The parameters keep their unread storage, which l
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -181,19 +182,26 @@ class QuantizeGptqPass(Int4WeightSizes, Pass):
         if not c.true_sequential:
             steps = [[n for s in steps for n in s]]
         for step in steps:
-            hess = {n: gptq.Hessian(mine[n].in_features) for n in step}
-            runner.capture(i, {n: mine[n] for n in step}, sink=lambda n, x, hess=hess: hess[n].add(x))
+            hess = gptq.SharedHessians({n: mine[n].in_features for n in step})
+            runner.capture(i, {n: mine[n] for n in step}, sink=hess.add)
+            prepared: dict[int, gptq.Prepared] = {}  # per accumulator: Linears fed one input share the factor
+            users = Counter(id(a) for a in hess.of.values())  # Linears still to quantize, per accumulator
             for n in step:
-                if hess[n].n == 0:  # an expert no calibration token was routed to
+                acc = hess.of.get(n)
+                if acc is None or acc.n == 0:  # an expert no calibration token was routed to
                     keep(n, "rtn", int4.quantize_rtn(mine[n].weight, c.group_size, symmetric=c.symmetric))
                     unseen.append(n)
                     continue
-                try:  # the accumulator freed, its value (a copy) dampened and inverted in place
-                    q, loss = gptq.gptq_quantize(mine[n].weight, hess.pop(n).value(), c.group_size, c.damp,
-                                                 c.act_order, c.block_size, c.symmetric, c.range_search,
-                                                 overwrite_h=True)
+                try:  # the accumulator's value dampened, inverted and factored in its own storage
+                    if id(acc) not in prepared:
+                        prepared[id(acc)] = gptq.prepare(acc.take(), c.damp, c.act_order)
+                    q, loss = gptq.gptq_quantize_prepared(mine[n].weight, prepared[id(acc)], c.group_size,
+                                                          c.block_size, c.symmetric, c.range_search)
                 except ValueError as e:
                     raise BuildError(f"quantize_gptq: {n}: {e}") from e
+                users[id(acc)] -= 1
+                if not users[id(acc)]:  # its factor is not needed again
+                    del prepared[id(acc)]
                 keep(n, "gptq", q)
                 losses[n] = loss
         runner.advance(i)  # the quantized layer's output feeds the next layer

@@ -181,6 +181,10 @@ def dense_attention(attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: to
     return attn.o_proj(out.transpose(1, 2).reshape(t, attn.h * attn.d).to(x.dtype))
 
 
+class _InputsSeen(Exception):
+    """Raised inside a layer's forward once LayerRunner.capture has every input it asked for."""
+
+
 class LayerRunner:
     """Runs the calibration samples through `model` one decoder layer at a time."""
 
@@ -254,22 +258,39 @@ class LayerRunner:
 
     def capture(self, index: int, modules: dict[str, nn.Module],
                 sink: Callable[[str, torch.Tensor], None] | None = None) -> dict[str, list[torch.Tensor]]:
-        """Run layer `index`; the input of each named module, per batch (or streamed to `sink`)."""
+        """Run layer `index`; the input of each named module, per batch (or streamed to `sink`). Modules fed the
+        same tensor get the same float32 tensor object. A batch's forward stops once every named module has
+        seen its input (what comes after them in the layer is not computed)."""
         layer = self.model.layers[index]
         seen: dict[str, list[torch.Tensor]] = {name: [] for name in modules}
+        fired: set[str] = set()  # the named modules that saw their input in the current batch
+        last: list[tuple[torch.Tensor, torch.Tensor]] = []  # the latest module input and its float32 copy
         handles = []
         for name, mod in modules.items():
-            def hook(_m: nn.Module, args: tuple[Any, ...], _out: Any, name: str = name) -> None:
-                x = args[0].detach().reshape(-1, args[0].shape[-1]).to(torch.float32)
+            def hook(_m: nn.Module, args: tuple[Any, ...], name: str = name) -> None:
+                raw = args[0]
+                if last and last[0][0] is raw:
+                    x = last[0][1]
+                else:
+                    x = raw.detach().reshape(-1, raw.shape[-1]).to(torch.float32)
+                    last[:] = [(raw, x)]
                 if sink is not None:
                     sink(name, x)
                 else:
                     seen[name].append(x)
-            handles.append(mod.register_forward_hook(hook))
+                fired.add(name)
+                if len(fired) == len(modules):
+                    raise _InputsSeen
+            handles.append(mod.register_forward_pre_hook(hook))
         try:
             with torch.no_grad():
                 for b, x in enumerate(self.hidden):
-                    self.layer_forward(layer, x, b)
+                    fired.clear()
+                    try:
+                        self.layer_forward(layer, x, b)
+                    except _InputsSeen:
+                        pass
+                    last.clear()
         finally:
             for h in handles:
                 h.remove()

@@ -12,9 +12,15 @@ store): a group's scale and zero point are set from the group's current (error-u
 when its first column comes up, also under act_order, so no g_idx permutation is needed (from the
 group's min and max, or with `range_search` the shrunk range of least |Q(w) - w|^2.4). Dead
 inputs (diag H = 0) get weight 0. Everything runs in float64.
+
+Memory: the Hessian is prepared in place (`prepare`: permuted, dampened, inverted and factored in its own
+storage), so GPTQ holds one [in, in] matrix, plus the weight in float64 and its uint8 codes. Linears fed the
+same input (q/k/v, gate/up) share one accumulator and one prepared factor.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -30,13 +36,109 @@ class Hessian:
 
     def add(self, x: torch.Tensor) -> None:
         x = x.reshape(-1, x.shape[-1]).to(torch.float64)
-        self.h += x.T @ x
+        # X^T X a band of rows at a time: the product's working copy is [ADD_ROWS, in], not [in, in]
+        for r in range(0, self.h.shape[0], ADD_ROWS):
+            self.h[r:r + ADD_ROWS] += x[:, r:r + ADD_ROWS].T @ x
         self.n += x.shape[0]
 
     def value(self) -> torch.Tensor:
         if self.n == 0:
             raise ValueError("no calibration input reached this Linear")
         return self.h * (2.0 / self.n)
+
+    def take(self) -> torch.Tensor:
+        """value(), computed in the accumulator's own storage (the accumulator is spent)."""
+        if self.n == 0:
+            raise ValueError("no calibration input reached this Linear")
+        h, self.h = self.h, torch.empty(0, dtype=torch.float64)
+        return h.mul_(2.0 / self.n)
+
+
+class SharedHessians:
+    """The Hessians of one step's Linears, fed by LayerRunner.capture's sink. Linears whose input is the same
+    tensor (q/k/v of one attention, gate/up of one MLP) share one accumulator: X^T X is computed once."""
+
+    def __init__(self, columns: dict[str, int]) -> None:
+        self.columns = columns
+        self.of: dict[str, Hessian] = {}
+        self._users: dict[int, list[str]] = {}  # per accumulator, its Linears in the order they were first fed
+        self._fed: dict[int, torch.Tensor] = {}  # per accumulator, the input it last took
+        self._last: Hessian | None = None  # the accumulator that took the latest input
+
+    def add(self, name: str, x: torch.Tensor) -> None:
+        acc = self.of.get(name)
+        if acc is None:
+            last = self._last
+            if last is not None and self._fed[id(last)] is x:  # the input the previous Linear was fed
+                self.of[name] = last
+                self._users[id(last)].append(name)
+                return
+            acc = self.of[name] = Hessian(self.columns[name])
+            self._users[id(acc)] = [name]
+        elif self._fed.get(id(acc)) is x:  # a Linear sharing the accumulator took this input already
+            return
+        elif self._users[id(acc)][0] != name:  # never the case: one call computes all Linears of an input
+            raise RuntimeError(f"{name}: its input was shared with {self._users[id(acc)][0]} and no longer is")
+        acc.add(x)
+        self._fed[id(acc)] = x
+        self._last = acc
+
+
+# rows of X^T X computed at a time by Hessian.add
+ADD_ROWS = 1024
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A Hessian made ready for GPTQ: the processing order, the dead inputs and the upper Cholesky factor of
+    (H + damp * mean(diag H) * I)^-1 in that order."""
+
+    perm: torch.Tensor
+    dead: torch.Tensor
+    hinv: torch.Tensor
+
+
+def _permute_symmetric_(h: torch.Tensor, perm: torch.Tensor) -> None:
+    """h <- h[perm][:, perm], in place (one row of extra memory, and a band of rows for the columns)."""
+    n = h.shape[0]
+    for r in range(0, n, ADD_ROWS):
+        h[r:r + ADD_ROWS] = h[r:r + ADD_ROWS][:, perm]
+    order = perm.tolist()
+    seen = [False] * n
+    for start in range(n):  # row j takes row order[j], cycle by cycle
+        if seen[start] or order[start] == start:
+            seen[start] = True
+            continue
+        first = h[start].clone()
+        j = start
+        while True:
+            seen[j] = True
+            k = order[j]
+            if k == start:
+                h[j] = first
+                break
+            h[j] = h[k]
+            j = k
+
+
+def prepare(h: torch.Tensor, damp: float = 0.01, act_order: bool = False) -> Prepared:
+    """H (float64 [in, in], changed in place and returned inside the result) made ready for gptq_quantize."""
+    if h.dtype != torch.float64:
+        raise ValueError(f"prepare takes a float64 Hessian, got {h.dtype}")
+    dead = torch.diag(h) == 0
+    h[dead, dead] = 1.0
+    cols = h.shape[0]
+    perm = torch.argsort(torch.diag(h), descending=True, stable=True) if act_order else torch.arange(cols)
+    if act_order:
+        _permute_symmetric_(h, perm)
+    h.diagonal().add_(damp * torch.mean(torch.diag(h)))  # H + damp * mean(diag H) * I
+    try:  # chol(H), then H^-1 from it, then chol(H^-1) upper: each in H's storage
+        torch.linalg.cholesky(h, out=h)
+        torch.cholesky_inverse(h, out=h)
+        torch.linalg.cholesky(h, upper=True, out=h)
+    except RuntimeError as e:  # not positive definite even after dampening
+        raise ValueError(f"Hessian is not positive definite (raise damp above {damp}): {e}") from e
+    return Prepared(perm, dead, h)
 
 
 def gptq_quantize(w: torch.Tensor, h: torch.Tensor, group_size: int, damp: float = 0.01,
@@ -45,24 +147,19 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, group_size: int, damp: float
     """INT4 codes of W [out, in] given the Hessian H [in, in]; returns (weight, reconstruction loss).
     `range_search`: each group's range by int4.search_range (least |Q(w) - w|^2.4 over shrunk ranges)
     instead of its min and max. `overwrite_h`: H (float64) is changed in place instead of copied."""
-    # memory: three [in, in] float64 matrices at a time (H, its Cholesky factor, the inverse), with overwrite_h
-    w = w.detach().to(torch.float64).clone()
     h = h if overwrite_h and h.dtype == torch.float64 else h.to(torch.float64).clone()
+    return gptq_quantize_prepared(w, prepare(h, damp, act_order), group_size, block_size, symmetric, range_search)
+
+
+def gptq_quantize_prepared(w: torch.Tensor, prep: Prepared, group_size: int, block_size: int = 128,
+                           symmetric: bool = False, range_search: bool = False) -> tuple[int4.Int4Weight, float]:
+    """gptq_quantize with the Hessian already prepared (shared by the Linears of one input)."""
+    perm, hinv = prep.perm, prep.hinv
+    w = w.detach().to(torch.float64).clone()
     rows, cols = w.shape
-    dead = torch.diag(h) == 0
-    h[dead, dead] = 1.0
-    w[:, dead] = 0.0
-    perm = torch.argsort(torch.diag(h), descending=True, stable=True) if act_order else torch.arange(cols)
-    if act_order:
+    w[:, prep.dead] = 0.0
+    if not torch.equal(perm, torch.arange(cols)):
         w = w[:, perm]
-        h = h[perm][:, perm]
-    h.diagonal().add_(damp * torch.mean(torch.diag(h)))  # H + damp * mean(diag H) * I
-    try:
-        hinv = torch.cholesky_inverse(torch.linalg.cholesky(h))
-        del h
-        hinv = torch.linalg.cholesky(hinv, upper=True)
-    except RuntimeError as e:  # not positive definite even after dampening
-        raise ValueError(f"Hessian is not positive definite (raise damp above {damp}): {e}") from e
 
     groups = int4.num_groups(cols, group_size)
     gidx = (perm // group_size)  # group of the j-th processed column
@@ -70,7 +167,7 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, group_size: int, damp: float
     scale = torch.zeros(rows, groups, dtype=torch.float32)
     zero = torch.zeros(rows, groups, dtype=torch.float32)
     ready = [False] * groups
-    codes = torch.zeros(rows, cols, dtype=torch.float64)
+    codes = torch.zeros(rows, cols, dtype=torch.uint8)  # exact: the codes are integers 0..15
     loss = 0.0
     for i1 in range(0, cols, block_size):
         i2 = min(i1 + block_size, cols)
