@@ -26,6 +26,7 @@ import platform
 import shutil
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -685,11 +686,11 @@ def build(recipe_path: str | Path, progress: bool = True, output: str | Path | N
     sampler = RssSampler()
     return_freed_memory()
     try:
-        from compiler.checkpoint import source_sha256
-
-        t = time.perf_counter()
-        src_sha = source_sha256(p.checkpoint)
-        timings["hash_source"] = time.perf_counter() - t
+        # the checkpoint's hash for the manifest, on a second thread beside the passes (hashlib and file reads
+        # release the GIL), joined before the manifest is written
+        hashing = ThreadPoolExecutor(1, thread_name_prefix="hash-source")
+        src_hash = hashing.submit(_timed_source_sha256, p.checkpoint)
+        hashing.shutdown(wait=False)
         pass_records = []
         with _progress(progress) as bar, sampler:
             task = bar.add_task("build", total=len(p.passes) + 1) if bar else None
@@ -716,6 +717,7 @@ def build(recipe_path: str | Path, progress: bool = True, output: str | Path | N
                 pass_records.append(record)
                 if bar:
                     bar.advance(task)
+            src_sha, timings["hash_source"] = src_hash.result()
             manifest = _manifest(ctx, src_sha, pass_records)
             if draft is not None:
                 manifest["speculative"] = _pairing(recipe, staging, manifest, draft, final)
@@ -762,6 +764,14 @@ def build(recipe_path: str | Path, progress: bool = True, output: str | Path | N
         raise
     log.info("built %s in %.1f s", final, timings["total"])
     return final
+
+
+def _timed_source_sha256(info: CheckpointInfo) -> tuple[str, float]:
+    """(source_sha256 of the checkpoint, seconds it took)."""
+    from compiler.checkpoint import source_sha256
+
+    t = time.perf_counter()
+    return source_sha256(info), time.perf_counter() - t
 
 
 def _remove_stale_staging(parent: Path, version: str) -> None:

@@ -26,8 +26,10 @@ import itertools
 import shutil
 import sys
 import tempfile
-from collections import OrderedDict
+import threading
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -41,26 +43,44 @@ STREAMED_LOCATION = "optimize-streamed"
 # dtypes whose TensorProto raw_data is the array's little-endian bytes (numpy_helper.from_array)
 _PLAIN = tuple(np.dtype(t) for t in (np.float32, np.float16, np.float64, np.uint8, np.int8, np.int32, np.int64))
 CACHE_ENTRIES = 6  # computations kept (a fused QKV reads three weights, each for three tensors)
+# threads save_model computes streamed tensors on (numpy and torch release the GIL), each one tensor ahead
+WRITE_THREADS = 2
 
 _ids = itertools.count(1)
 _registry: dict[int, Deferred] = {}
 _cache: OrderedDict[Any, Any] = OrderedDict()
+_running: dict[Any, threading.Event] = {}  # keys being computed
+_lock = threading.Lock()
 _spill: Path | None = None  # the folder spilled arrays go to (created on first use)
 _spill_created = False
 _spilled = itertools.count(1)
 
 
 def cached(key: Any, fn: Callable[[], Any]) -> Any:
-    """fn() once per key while the key is among the last CACHE_ENTRIES computed."""
+    """fn() once per key while the key is among the last CACHE_ENTRIES computed. Thread-safe: save_model computes
+    tensors on WRITE_THREADS threads, and a second caller of a key being computed waits for the first."""
     if key is None:
         return fn()
-    if key in _cache:
-        _cache.move_to_end(key)
-        return _cache[key]
-    value = fn()
-    _cache[key] = value
-    while len(_cache) > CACHE_ENTRIES:
-        _cache.popitem(last=False)
+    while True:
+        with _lock:
+            if key in _cache:
+                _cache.move_to_end(key)
+                return _cache[key]
+            running = _running.get(key)
+            if running is None:
+                running = _running[key] = threading.Event()
+                break
+        running.wait()  # computed by another thread: read from the cache (or computed again if evicted)
+    try:
+        value = fn()
+        with _lock:
+            _cache[key] = value
+            while len(_cache) > CACHE_ENTRIES:
+                _cache.popitem(last=False)
+    finally:
+        with _lock:
+            del _running[key]
+        running.set()
     return value
 
 
@@ -260,50 +280,73 @@ def _has_subgraph_initializers(graph: onnx.GraphProto) -> bool:
 def save_model(model: onnx.ModelProto, path: Path, location: str, size_threshold: int = 1024) -> int:
     """Write `model` to `path` with its initializers in `location` beside it, computing each streamed one
     when its turn comes: the layout of onnx.save_model(save_as_external_data=True, all_tensors_to_one_file=True,
-    convert_attribute=False). Returns the number of tensors computed."""
-    from onnx import TensorProto, helper, numpy_helper
-
+    convert_attribute=False). Returns the number of tensors computed. The streamed tensors are computed in the
+    graph's order on WRITE_THREADS threads, at most WRITE_THREADS ahead of the one being written."""
     if _has_subgraph_initializers(model.graph):
         raise ValueError("save_model: initializers inside subgraphs are not written by the streaming writer")
     data_path = path.parent / location
     if data_path.exists():
         raise FileExistsError(f"External data file exists in {data_path}.")
+    todo = deque(d for d in map(deferred_of, model.graph.initializer) if d is not None)
+    ahead: deque[Future[np.ndarray]] = deque()
+    with ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="streamed") as pool:
+        def next_array() -> np.ndarray:
+            while todo and len(ahead) <= WRITE_THREADS:
+                d = todo.popleft()
+                ahead.append(pool.submit(lambda d=d: np.ascontiguousarray(d.compute())))
+            return ahead.popleft().result()
+
+        try:
+            with data_path.open("wb") as f:
+                computed = _write_initializers(model, f, location, size_threshold, next_array)
+        finally:  # an error: nothing more is started
+            todo.clear()
+            for fut in ahead:
+                fut.cancel()
+    path.write_bytes(model.SerializeToString())
+    return computed
+
+
+def _write_initializers(model: onnx.ModelProto, f: Any, location: str, size_threshold: int,
+                        next_array: Callable[[], np.ndarray]) -> int:
+    """save_model's loop: each initializer's bytes appended to `f` in the graph's order, a streamed one's from
+    `next_array()`. Returns the number of streamed tensors."""
+    from onnx import TensorProto, helper, numpy_helper
+
     computed = 0
     empty = sys.getsizeof(b"")
-    with data_path.open("wb") as f:
-        for t in model.graph.initializer:
-            d = deferred_of(t)
-            if d is not None:
-                arr = np.ascontiguousarray(d.compute())
-                if arr.dtype in _PLAIN and arr.dtype.byteorder in "=|<":  # from_array's raw_data is these bytes
-                    dims, dtype = list(arr.shape), helper.np_dtype_to_tensor_dtype(arr.dtype)
-                    raw = memoryview(arr).cast("B")  # written from the array itself: no second copy
-                else:  # types from_array converts (int4 packing, bfloat16, float8)
-                    full = numpy_helper.from_array(arr, t.name)
-                    dims, dtype, raw = list(full.dims), full.data_type, full.raw_data
-                    del full
-                del arr
-                if dims != list(t.dims) or dtype != t.data_type:
-                    raise ValueError(f"streamed tensor {t.name!r} computed as {dims} type {dtype}, declared "
-                                     f"{list(t.dims)} type {t.data_type}")
-                computed += 1
-                del t.external_data[:]
-                t.ClearField("data_location")
-                if empty + len(raw) < size_threshold:
-                    t.raw_data = bytes(raw)
-                    continue
-            elif t.HasField("raw_data") and sys.getsizeof(t.raw_data) >= size_threshold:
-                raw = t.raw_data
-            else:
-                continue
-            offset = f.tell()
-            f.write(raw)
+    for t in model.graph.initializer:
+        d = deferred_of(t)
+        if d is not None:
+            arr = next_array()
+            if arr.dtype in _PLAIN and arr.dtype.byteorder in "=|<":  # from_array's raw_data is these bytes
+                dims, dtype = list(arr.shape), helper.np_dtype_to_tensor_dtype(arr.dtype)
+                raw = memoryview(arr).cast("B")  # written from the array itself: no second copy
+            else:  # types from_array converts (int4 packing, bfloat16, float8)
+                full = numpy_helper.from_array(arr, t.name)
+                dims, dtype, raw = list(full.dims), full.data_type, full.raw_data
+                del full
+            del arr
+            if dims != list(t.dims) or dtype != t.data_type:
+                raise ValueError(f"streamed tensor {t.name!r} computed as {dims} type {dtype}, declared "
+                                 f"{list(t.dims)} type {t.data_type}")
+            computed += 1
             del t.external_data[:]
-            t.data_location = TensorProto.EXTERNAL
-            for key, v in (("location", location), ("offset", str(offset)), ("length", str(len(raw)))):
-                entry = t.external_data.add()
-                entry.key, entry.value = key, v
-            t.ClearField("raw_data")
-            del raw
-    path.write_bytes(model.SerializeToString())
+            t.ClearField("data_location")
+            if empty + len(raw) < size_threshold:
+                t.raw_data = bytes(raw)
+                continue
+        elif t.HasField("raw_data") and sys.getsizeof(t.raw_data) >= size_threshold:
+            raw = t.raw_data
+        else:
+            continue
+        offset = f.tell()
+        f.write(raw)
+        del t.external_data[:]
+        t.data_location = TensorProto.EXTERNAL
+        for key, v in (("location", location), ("offset", str(offset)), ("length", str(len(raw)))):
+            entry = t.external_data.add()
+            entry.key, entry.value = key, v
+        t.ClearField("raw_data")
+        del raw
     return computed
