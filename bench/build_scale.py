@@ -14,8 +14,10 @@ llama_model_quantize to q4_0 (two processes: the peak is the larger, the wall ti
     PYTHONPATH=$PWD python bench/build_scale.py --shapes 100m,1b --methods rtn --out /tmp/bigmodels
     PYTHONPATH=$PWD python bench/build_scale.py --shapes 1b --methods rtn --references ort-genai,llama.cpp
     PYTHONPATH=$PWD python bench/build_scale.py --shapes 1b --methods gptq --calib-samples 16 --calib-seq-len 512
+    PYTHONPATH=$PWD python bench/build_scale.py --shapes 100m --methods fp8,fp8-static
 
-GPTQ rows calibrate on the demo's calib.txt (`--calib-samples` windows of `--calib-seq-len` tokens).
+GPTQ and fp8-static rows calibrate on the demo's calib.txt (`--calib-samples` windows of `--calib-seq-len`
+tokens); fp8 rows quantize the activations per token in the graph (no calibration).
 
 Prints a table and writes JSON (bench/results/build_scale.json by default). Run it on a quiet machine;
 the wall time includes Python and torch start-up.
@@ -67,8 +69,13 @@ SHARD_BYTES = 2 << 30
 METHODS = {
     "rtn": "  - name: quantize_rtn\n    options: {group_size: 128, ignore: [lm_head]}\n",
     "gptq": "  - name: quantize_gptq\n    options: {group_size: 128, ignore: [lm_head]}\n",
+    # FP8 E4M3 weights per channel (lm_head and the embedding kept): activations per token in the graph, or
+    # per tensor from calibration (static)
+    "fp8": "  - name: quantize_fp8\n    options: {weights: per_channel, activations: dynamic}\n",
+    "fp8-static": "  - name: quantize_fp8\n    options: {weights: per_channel, activations: static}\n",
     "fp32": "",
 }
+CALIBRATED = ("gptq", "fp8-static")  # the methods that read calibration data
 CALIBRATION_DATA = DEMO_MODEL / "calib.txt"
 
 
@@ -147,10 +154,11 @@ def write_random_llama(out: Path, shape_name: str, seed: int = 0) -> Path:
 
 def write_recipe(folder: Path, checkpoint: Path, method: str, name: str, calib_samples: int = 16,
                  calib_seq_len: int = 512) -> Path:
-    """The build of the scale check: INT4 RTN or GPTQ (g128, lm_head kept; GPTQ calibrated on `calib_samples`
-    windows of `calib_seq_len` tokens of the demo's calib.txt) or fp32, ONNX Runtime CPU."""
+    """The build of the scale check: INT4 RTN or GPTQ (g128, lm_head kept), FP8 (per channel, lm_head and the
+    embedding kept; activations dynamic, or static for fp8-static) or fp32, ONNX Runtime CPU. GPTQ and
+    fp8-static calibrate on `calib_samples` windows of `calib_seq_len` tokens of the demo's calib.txt."""
     calibration = (f"calibration:\n  data: {CALIBRATION_DATA}\n  num_samples: {calib_samples}\n"
-                   f"  seq_len: {calib_seq_len}\n") if method == "gptq" else ""
+                   f"  seq_len: {calib_seq_len}\n") if method in CALIBRATED else ""
     text = (f"name: {name}\nversion: 1.0.0\nsource:\n  checkpoint: {checkpoint}\n"
             "target:\n  backend: onnxruntime\n  device: cpu\n  dtype: float32\n"
             "passes:\n  - name: select_attention\n  - name: capture\n" + METHODS[method]
@@ -234,8 +242,8 @@ def main() -> None:
     ap.add_argument("--methods", default="rtn", help=f"comma-separated, of {', '.join(METHODS)}")
     ap.add_argument("--out", type=Path, default=Path("/tmp/bigmodels"), help="checkpoints and artifacts")
     ap.add_argument("--limit-gb", type=float, default=6.0, help="kill a build whose RSS passes this")
-    ap.add_argument("--calib-samples", type=int, default=16, help="GPTQ: calibration windows")
-    ap.add_argument("--calib-seq-len", type=int, default=512, help="GPTQ: tokens per calibration window")
+    ap.add_argument("--calib-samples", type=int, default=16, help="GPTQ, fp8-static: calibration windows")
+    ap.add_argument("--calib-seq-len", type=int, default=512, help="GPTQ, fp8-static: tokens per calibration window")
     ap.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "build_scale.json")
     ap.add_argument("--keep", action="store_true", help="keep the built artifacts (OUT/build-SHAPE-METHOD/artifacts)")
     ap.add_argument("--references", default="", help=f"comma-separated reference builders, of {', '.join(REFERENCES)}")
@@ -244,6 +252,9 @@ def main() -> None:
     ap.add_argument("--reference-limit-gb", type=float, default=20.0, help="kill a reference build past this")
     a = ap.parse_args()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    unknown = [m for m in a.methods.split(",") if m not in METHODS]
+    if unknown:
+        raise SystemExit(f"--methods: {', '.join(unknown)} not of {', '.join(METHODS)}")
     rows = []
     for shape in a.shapes.split(","):
         ckpt = write_random_llama(a.out / f"llama-{shape}", shape)
@@ -265,7 +276,7 @@ def main() -> None:
             if info.is_file():
                 passes = json.loads(info.read_text()).get("memory", {})
             row = {"shape": shape, "method": method, "estimate_bytes": estimate, **r, "per_pass": passes,
-                   **({"calibration_tokens": a.calib_samples * a.calib_seq_len} if method == "gptq" else {})}
+                   **({"calibration_tokens": a.calib_samples * a.calib_seq_len} if method in CALIBRATED else {})}
             rows.append(row)
             status = "ok" if r["rc"] == 0 else ("killed at limit" if r["killed_at_limit"] else f"rc {r['rc']}")
             print(f"{shape:>5} {method:>4}: peak {_gb(r['peak_rss_bytes'])} GB, estimate {_gb(estimate)} GB, "

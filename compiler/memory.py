@@ -143,11 +143,31 @@ def _quantized_bytes(info: CheckpointInfo, passes: list[Any]) -> tuple[int, int]
 
 # the passes a streamed build runs (the others read or change the weights of the whole model, or run it:
 # plan_cuda_graphs runs each decode bucket in an ONNX Runtime session of the graph in memory)
-STREAMING_PASSES = ("select_attention", "capture", "quantize_rtn", "quantize_gptq", "lower_onnx", "lower_quant",
-                    "fuse", "package")
-# a streamed GPTQ's calibration batches (compiler/quant/calibration.py LayerRunner: dense attention) and the
+STREAMING_PASSES = ("select_attention", "capture", "quantize_rtn", "quantize_gptq", "quantize_fp8", "lower_onnx",
+                    "lower_quant", "fuse", "package")
+# a streamed calibration's batches (compiler/quant/calibration.py LayerRunner: dense attention) and the
 # float32 tensors a decoder layer's forward holds per token, in units of (3 x intermediate + 6 x hidden)
 GPTQ_BATCH_TOKENS = 4096
+
+
+def _calibration_terms(recipe: Recipe, info: CheckpointInfo) -> dict[str, int]:
+    """What a streamed calibration run (LayerRunner over one decoder layer read from the checkpoint) holds, in
+    bytes: `weights` one decoder layer in float32, `hidden` the calibration tokens' hidden states (float32),
+    `forward` the layer's forward activations of one batch, `embed` the embedding read whole (float32 and
+    the checkpoint's copy) for the hidden states; `batch` and `tokens` in tokens."""
+    from compiler.checkpoint import _DTYPE_BYTES
+    from compiler.recipe import DEFAULT_CALIBRATION_SAMPLES
+
+    cal = recipe.calibration
+    tokens = (cal.num_samples or DEFAULT_CALIBRATION_SAMPLES) * cal.seq_len if cal is not None else 0
+    cfg = info.config
+    batch = min(tokens, GPTQ_BATCH_TOKENS)
+    layer = [shape for n, (_dtype, shape) in info.tensors.items() if n.startswith("model.layers.0.")]
+    embed = next((math.prod(shape) * (4 + _DTYPE_BYTES.get(dtype, 4)) for n, (dtype, shape) in info.tensors.items()
+                  if n.endswith("embed_tokens.weight")), 0)
+    return {"tokens": tokens, "batch": batch, "forward": batch * (3 * cfg.intermediate_size + 6 * cfg.hidden_size) * 4,
+            "weights": sum(math.prod(shape) for shape in layer) * 4, "hidden": tokens * cfg.hidden_size * 4,
+            "embed": embed}
 
 
 def gptq_streamed_bytes(recipe: Recipe, info: CheckpointInfo) -> int:
@@ -159,18 +179,11 @@ def gptq_streamed_bytes(recipe: Recipe, info: CheckpointInfo) -> int:
     Hessian, in place, and the other inputs' accumulators; the weight in float64, permuted, and its codes); or,
     before the layers, the embedding table read whole (float32 and the checkpoint's copy) beside the hidden
     states, where that is more."""
-    from compiler.checkpoint import _DTYPE_BYTES
     from compiler.passes.quantize_gptq import SEQUENTIAL_ROLES, sequential_steps
     from compiler.quant.gptq import ADD_ROWS
-    from compiler.recipe import DEFAULT_CALIBRATION_SAMPLES
 
-    cal = recipe.calibration
-    tokens = (cal.num_samples or DEFAULT_CALIBRATION_SAMPLES) * cal.seq_len if cal is not None else 0
-    cfg = info.config
-    batch = min(tokens, GPTQ_BATCH_TOKENS)
-    forward = batch * (3 * cfg.intermediate_size + 6 * cfg.hidden_size) * 4
+    t = _calibration_terms(recipe, info)
     layer = [(n, shape) for n, (_dtype, shape) in info.tensors.items() if n.startswith("model.layers.0.")]
-    weights = sum(math.prod(shape) for _n, shape in layer) * 4
     linears = {n.removesuffix(".weight"): shape for n, shape in layer if n.endswith(".weight") and len(shape) == 2}
     worst = 0
     for step in sequential_steps(list(linears)):
@@ -180,14 +193,37 @@ def gptq_streamed_bytes(recipe: Recipe, info: CheckpointInfo) -> int:
         # Linears of one role group share their input (one accumulator); any others have one each
         inputs = 1 if any(all(n.rsplit(".", 1)[-1] in roles for n in step) for roles in SEQUENTIAL_ROLES) \
             else len(step)
-        capturing = inputs * hess + min(ADD_ROWS, d) * d * 8 + batch * d * 12 + forward
+        capturing = inputs * hess + min(ADD_ROWS, d) * d * 8 + t["batch"] * d * 12 + t["forward"]
         quantizing = inputs * hess + min(ADD_ROWS, d) * d * 8 + out * d * (2 * 8 + 1)
         worst = max(worst, capturing, quantizing)
-    hidden = tokens * cfg.hidden_size * 4
-    # before the layers: the embedding read whole (float32 and the checkpoint's copy) for the hidden states
-    embed = next((math.prod(shape) * (4 + _DTYPE_BYTES.get(dtype, 4)) for n, (dtype, shape) in info.tensors.items()
-                  if n.endswith("embed_tokens.weight")), 0)
-    return max(weights + 2 * hidden + worst, embed + hidden)
+    return max(t["weights"] + 2 * t["hidden"] + worst, t["embed"] + t["hidden"])
+
+
+# a streamed FP8 weight's quantization (compiler/quant/fp8.py quantize_weight, then dequantize for the calibration):
+# the scaled and clamped copies and the dequantized weight, in units of the Linear in float32
+FP8_QUANTIZE_WORK = 3
+
+
+def fp8_streamed_bytes(recipe: Recipe, info: CheckpointInfo, options: Any) -> int:
+    """What a streamed quantize_fp8 with `options` (its Fp8Options) holds at its peak
+    (compiler/passes/quantize_fp8.py). Without calibration (activations dynamic or none) nothing: each weight is
+    recorded, quantized when package writes it. Static: one decoder layer's weights in float32, the calibration
+    hidden states twice (a layer's output replaces its input) and the larger of the layer's forward activations
+    of a batch and one Linear's quantization (FP8_QUANTIZE_WORK x its float32 size); or, before the layers, the
+    embedding read whole beside the hidden states (and its quantization, where it is not ignored), where that
+    is more."""
+    from compiler.quant.common import matches
+
+    if options.activations != "static":
+        return 0
+    t = _calibration_terms(recipe, info)
+    largest = max((math.prod(shape) for n, (_dtype, shape) in info.tensors.items()
+                   if n.startswith("model.layers.0.") and len(shape) == 2), default=0) * 4
+    embed_fp32 = next((math.prod(shape) * 4 for n, (_dtype, shape) in info.tensors.items()
+                       if n.endswith("embed_tokens.weight")), 0)
+    embed_work = 0 if matches("embed_tokens", options.ignore) else FP8_QUANTIZE_WORK * embed_fp32
+    return max(t["weights"] + 2 * t["hidden"] + max(t["forward"], FP8_QUANTIZE_WORK * largest),
+               t["embed"] + t["hidden"] + embed_work)
 
 
 def streaming_reason(recipe: Recipe, info: CheckpointInfo) -> str | None:
@@ -219,8 +255,8 @@ def estimate_pass_peaks(recipe: Recipe, info: CheckpointInfo, passes: list[Any],
     graph (1.5 x the lowered model).
 
     Streamed weights (compiler/streamed.py): the passes up to fuse add only their imports (the graph holds no
-    weights; quantize_gptq holds one decoder layer and its calibration working set while it runs,
-    `gptq_streamed_bytes`, and frees it); package holds its per-tensor work (STREAM_WORK x the largest checkpoint
+    weights; quantize_gptq, and quantize_fp8 with static activations, hold one decoder layer and its calibration
+    working set while they run, `gptq_streamed_bytes` / `fp8_streamed_bytes`, and free it); package holds its per-tensor work (STREAM_WORK x the largest checkpoint
     tensor in float32: the tensor, its quantization's temporaries, the packed result); its ONNX Runtime session
     check of the written artifact does not prepack, so the file's weights stay memory-mapped and untouched.
 
@@ -239,6 +275,9 @@ def estimate_pass_peaks(recipe: Recipe, info: CheckpointInfo, passes: list[Any],
             resident += TORCH_OVERHEAD + (0 if streamed else weights)
         elif ps.name == "quantize_gptq" and streamed:  # one layer at a time, its codes spilled to disk
             out[ps.name] = resident + gptq_streamed_bytes(recipe, info)
+            continue
+        elif ps.name == "quantize_fp8" and streamed:  # recorded; a static calibration reads one layer at a time
+            out[ps.name] = resident + fp8_streamed_bytes(recipe, info, ps.config)
             continue
         elif hasattr(ps, "estimated_bytes"):
             resident += 0 if streamed else q_params + (weights if gate else 0)

@@ -4,9 +4,10 @@ A build whose weights stream (compiler/memory.py, `streaming_reason`) never hold
 memory: capture traces a model whose large parameters have no values, lower_onnx puts a placeholder in the
 graph for each of them (a TensorProto with dims and type whose external data location is
 `STREAMED_LOCATION`), and the passes after it rewrite the graph around the placeholders. Where a pass
-derives a tensor from weights (quantize_rtn's INT4 codes, lower_quant's MatMulNBits packing, fuse's QKV
-concatenation) it records the computation as a `Deferred` array instead of running it. package then writes
-every initializer into model.onnx.data in the graph's order, one at a time: a streamed one is computed
+derives a tensor from weights (quantize_rtn's INT4 codes, quantize_fp8's E4M3 codes and scales,
+lower_quant's MatMulNBits packing, fuse's QKV concatenation) it records the computation as a `Deferred`
+array instead of running it. package then writes every initializer into model.onnx.data in the graph's
+order, one at a time: a streamed one is computed
 (read from the checkpoint, converted, quantized, packed), written and freed. The file layout is the one
 onnx.save_model writes (same order, offsets and size threshold), so a streamed build and a loaded build
 of the same recipe give the same bytes.
@@ -225,10 +226,14 @@ def value_of(t: TensorProto) -> Any:
 
 
 def tensor(array: Any, name: str) -> TensorProto:
-    """An initializer from an array (numpy_helper.from_array) or a placeholder from a Deferred."""
+    """An initializer from an array (numpy_helper.from_array) or a placeholder from a Deferred. An array is
+    stored as np.ascontiguousarray gives it, with at least one dimension (a scalar as [1]); a Deferred scalar
+    (a per-tensor FP8 scale) is declared and written so too."""
     from onnx import numpy_helper
 
     if isinstance(array, Deferred):
+        if array.ndim == 0:
+            array = array.map(np.ascontiguousarray, (1,), array.dtype)
         return placeholder(array, name)
     return numpy_helper.from_array(np.ascontiguousarray(array), name)
 

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import onnx
 import pytest
 import torch
 from conftest import ROOT, make_random_checkpoint, write_recipe
@@ -177,13 +178,14 @@ def _fp32_bytes(shape: dict[str, int], vocab: int = 4096) -> tuple[int, int]:
     return 4 * (layer + edges), 4 * (layer * shape["num_hidden_layers"] + edges)
 
 
-def measured_streamed_rtn_build(tmp_path: Path, ckpt: Path, size: str, limit: int, method: str = "rtn"
+def measured_streamed_build(tmp_path: Path, ckpt: Path, size: str, limit: int, method: str = "rtn"
                                 ) -> tuple[int, int, float, Path]:
-    """Build `ckpt` to INT4 RTN (bench/build_scale.py's recipe, streamed weights) in a subprocess sampled from
-    outside: (peak RSS, the dry run's estimate, the streaming ceiling, the artifact). The ceiling: the
-    imports' fixed overhead + 1.5 x (one decoder layer + embedding + head, float32) + the written artifact
-    (package loads it in an ONNX Runtime session as its check). `method` gptq: calibrated on 4 x 128 tokens,
-    and the ceiling adds one true-sequential step's Hessians and GPTQ's three [in, in] float64 matrices."""
+    """Build `ckpt` to INT4 RTN (bench/build_scale.py's recipe, streamed weights; `method` another of its
+    methods) in a subprocess sampled from outside: (peak RSS, the dry run's estimate, the streaming ceiling,
+    the artifact). The ceiling: the imports' fixed overhead + 1.5 x (one decoder layer + embedding + head,
+    float32) + the written artifact (package loads it in an ONNX Runtime session as its check). Calibrated
+    methods (gptq, fp8-static) on 4 x 128 tokens; gptq's ceiling adds one true-sequential step's Hessians and
+    GPTQ's three [in, in] float64 matrices."""
     name = f"mem-{size}-{method}"
     recipe = write_scale_recipe(tmp_path, ckpt, method, name, calib_samples=4, calib_seq_len=128)
     p = plan(recipe)
@@ -211,7 +213,7 @@ def test_int4_rtn_build_of_a_100m_llama_stays_under_its_memory_ceiling(tmp_path:
     the written artifact (package's ONNX Runtime session of it). (With the whole model loaded this build
     peaked at 1.69 GB; before the checkpoint was read tensor by tensor, at 2.06 GB; this ceiling is about 0.8 GB.)"""
     ckpt = write_random_llama(tmp_path / "llama-100m", "100m")
-    peak, _estimate, _ceiling, artifact = measured_streamed_rtn_build(tmp_path, ckpt, "100m", 6 << 30)
+    peak, _estimate, _ceiling, artifact = measured_streamed_build(tmp_path, ckpt, "100m", 6 << 30)
     info = json.loads((artifact / "build.json").read_text())
     per_pass = info["memory"]
     assert set(per_pass) >= {"pass.capture", "pass.quantize_rtn", "pass.lower_onnx", "pass.lower_quant",
@@ -229,25 +231,37 @@ STREAMED_PASSES = ("  - name: capture\n  - name: quantize_rtn\n  - name: lower_o
 
 GPTQ_PASS = "  - name: quantize_gptq\n    options: {act_order: true}\n"
 CALIBRATION = f"calibration:\n  data: {ROOT / 'models' / 'pycode-llama-6m' / 'calib.txt'}\n  num_samples: 4\n  seq_len: 128\n"
+# the quantize pass of each method of the byte-identity test (FP8: the embedding quantized too, lm_head kept)
+QUANTIZE_PASSES = {
+    "rtn": "  - name: quantize_rtn\n",
+    "gptq": GPTQ_PASS,
+    "fp8-dynamic": "  - name: quantize_fp8\n    options: {activations: dynamic, ignore: [lm_head]}\n",
+    "fp8-static": "  - name: quantize_fp8\n    options: {weights: per_tensor, activations: static}\n",
+    "fp8-static-embedding": "  - name: quantize_fp8\n    options: {activations: static, ignore: [lm_head]}\n",
+}
+CALIBRATED = ("gptq", "fp8-static", "fp8-static-embedding")
 
 
-@pytest.mark.parametrize("method", ["rtn", "gptq"])
+@pytest.mark.parametrize("method", list(QUANTIZE_PASSES))
 def test_streamed_build_writes_the_bytes_of_a_loaded_build(tmp_path: Path, method: str) -> None:
-    """A random 2-layer Llama with a tied head to INT4 RTN or GPTQ with fusion, once with its weights streamed
-    into the artifact tensor by tensor and once with the whole model loaded: the same model.onnx and
+    """A random 2-layer Llama with a tied head to INT4 RTN or GPTQ or FP8 with fusion, once with its weights
+    streamed into the artifact tensor by tensor and once with the whole model loaded: the same model.onnx and
     model.onnx.data, byte for byte (MatMulNBits packing, the fused gate/up and QKV concatenations, the float
     embedding and the head read from the embedding, all computed when written; GPTQ: each layer read from the
-    checkpoint, quantized from the calibration activations and its codes spilled to disk, layer by layer)."""
+    checkpoint, quantized from the calibration activations and its codes spilled to disk, layer by layer;
+    FP8: per-channel codes and scales of the Linears and the embedding computed when written, with dynamic
+    activations; static activation scales calibrated layer by layer, each layer read from the checkpoint and
+    quantized for its calibration run, per tensor with the float embedding read for the hidden states, or per
+    channel with the embedding quantized first)."""
     ckpt = make_random_checkpoint(tmp_path / "ckpt", "LlamaForCausalLM", seed=3, hidden_size=256, head_dim=64,
                                   intermediate_size=704, tie_word_embeddings=True)
-    quantize = "  - name: quantize_rtn\n" if method == "rtn" else GPTQ_PASS
     out = {}
     for mode in ("stream", "load"):
         passes = STREAMED_PASSES.replace("  - name: capture\n", f"  - name: capture\n    options: {{weights: {mode}}}\n")
-        passes = passes.replace("  - name: quantize_rtn\n", quantize)
+        passes = passes.replace("  - name: quantize_rtn\n", QUANTIZE_PASSES[method])
         (tmp_path / mode).mkdir()
         recipe = write_recipe(tmp_path / mode, ckpt, name=f"{method}-{mode}", passes=passes,
-                              extra=CALIBRATION if method == "gptq" else "")
+                              extra=CALIBRATION if method in CALIBRATED else "")
         p = plan(recipe)
         assert p.streamed == (mode == "stream"), p.loads_model_because
         out[mode] = build(recipe, progress=False, autotune=False)
@@ -259,11 +273,23 @@ def test_streamed_build_writes_the_bytes_of_a_loaded_build(tmp_path: Path, metho
     # the 7 matrices of each layer, the embedding and the head (the norms, under the exporter's folding
     # size, are loaded)
     assert stats["capture"]["streamed_parameters"] == 2 * 7 + 2
+    loaded = {r["name"]: r.get("stats", {}) for r in json.loads((out["load"] / "manifest.json").read_text())["passes"]}
     if method == "rtn":
         assert stats["quantize_rtn"]["streamed"] == stats["quantize_rtn"]["quantized_count"] == 2 * 7
+    elif method.startswith("fp8"):
+        fp8 = stats["quantize_fp8"]
+        embedding = method != "fp8-static"  # quantized too
+        assert fp8["streamed"] == fp8["quantized_count"] == 2 * 7 + embedding
+        assert "streamed" not in loaded["quantize_fp8"]
+        if method in CALIBRATED:  # the same calibration: the same activation ranges, layer by layer
+            amax = fp8["activation_amax"]
+            assert fp8["streamed_layers"] == 2 and len(amax) == 2 * 7 and all(v > 0 for v in amax.values())
+            assert amax == loaded["quantize_fp8"]["activation_amax"]
+        graph = onnx.load(str(out["stream"] / "model.onnx"), load_external_data=False)
+        types = {t.name: t.data_type for t in graph.graph.initializer}
+        codes = [n for n, t in types.items() if t == onnx.TensorProto.FLOAT8E4M3FN and n.endswith("weight_quantized")]
+        assert len(codes) == 2 * 7 + embedding and ("embed_tokens.weight_quantized" in codes) == embedding
     else:
-        loaded = {r["name"]: r.get("stats", {})
-                  for r in json.loads((out["load"] / "manifest.json").read_text())["passes"]}
         assert stats["quantize_gptq"]["streamed_layers"] == 2 and stats["quantize_gptq"]["quantized_count"] == 2 * 7
         # the same Hessians and rounding: the same reconstruction loss per Linear
         assert stats["quantize_gptq"]["reconstruction_loss"] == loaded["quantize_gptq"]["reconstruction_loss"]
@@ -297,7 +323,7 @@ def test_streamed_int4_build_stays_under_one_layer_ceiling(small_llama: Path, tm
     artifact (which package loads in an ONNX Runtime session as its check), and within +-25 % of the dry
     run's estimate. The same build with the whole model loaded needs about 3.5 x the float32 model more
     (test_int4_rtn_build_of_a_100m_llama_stays_under_its_memory_ceiling)."""
-    _peak, _estimate, ceiling, _artifact = measured_streamed_rtn_build(tmp_path, small_llama, "25m", 4 << 30)
+    _peak, _estimate, ceiling, _artifact = measured_streamed_build(tmp_path, small_llama, "25m", 4 << 30)
     _edges, model = _fp32_bytes(SHAPES["25m"])
     assert ceiling < FIXED_OVERHEAD + 3.5 * model  # the ceiling is below what a loaded build holds
 
@@ -306,7 +332,7 @@ def test_streamed_gptq_build_holds_one_layer_at_a_time(small_llama: Path, tmp_pa
     """A streamed INT4 GPTQ build of a 25M-parameter Llama, sampled from outside: under the streaming ceiling
     (plus one step's Hessians), within +-25 % of the dry run's estimate, and quantize_gptq's own peak within
     +-25 % of its estimate (one decoder layer in float32, the calibration hidden states, the Hessians)."""
-    _peak, _estimate, _ceiling, artifact = measured_streamed_rtn_build(tmp_path, small_llama, "25m", 4 << 30,
+    _peak, _estimate, _ceiling, artifact = measured_streamed_build(tmp_path, small_llama, "25m", 4 << 30,
                                                                       method="gptq")
     info = json.loads((artifact / "build.json").read_text())
     assert info["weights"] == "streamed"
@@ -314,3 +340,33 @@ def test_streamed_gptq_build_holds_one_layer_at_a_time(small_llama: Path, tmp_pa
     est = info["estimates"]["build_peak_by_pass"]["quantize_gptq"]
     assert 0.75 * got <= est <= 1.25 * got, (est, got)
     assert not list((tmp_path / "artifacts" / "mem-25m-gptq").glob(".*spill*"))  # the spilled codes removed
+
+
+@pytest.mark.parametrize("method", ["fp8", "fp8-static"])
+def test_streamed_fp8_build_stays_within_its_estimate(small_llama: Path, tmp_path: Path, method: str) -> None:
+    """A streamed FP8 build (per channel, lm_head and embedding kept) of a 25M-parameter Llama, sampled from
+    outside: under the streaming ceiling and within +-25 % of the dry run's estimate, which `--dry-run` prints
+    for quantize_fp8; with static activations (calibrated one decoder layer at a time) quantize_fp8's own peak
+    within +-25 % of its estimate, and every Linear's input range measured. The same build with the whole
+    model loaded adds about 3.5 x the float32 model."""
+    _peak, _estimate, ceiling, artifact = measured_streamed_build(tmp_path, small_llama, "25m", 4 << 30,
+                                                                  method=method)
+    _edges, model = _fp32_bytes(SHAPES["25m"])
+    assert ceiling < FIXED_OVERHEAD + 3.5 * model
+    info = json.loads((artifact / "build.json").read_text())
+    assert info["weights"] == "streamed"
+    est = info["estimates"]["build_peak_by_pass"]["quantize_fp8"]
+    res = subprocess.run([*CLI, "build", str(tmp_path / f"mem-25m-{method}.yaml"), "--dry-run"], capture_output=True,
+                         text=True, cwd=ROOT)
+    assert res.returncode == 0 and "build weights streamed" in res.stdout, res.stdout
+    line = next(ln for ln in res.stdout.splitlines() if ln.split()[:1] == ["quantize_fp8"] and "MiB" in ln)
+    assert math.isclose(float(line.split()[-2]), est / 2**20, abs_tol=0.1), (line, est)
+    stats = {r["name"]: r.get("stats", {}) for r in json.loads((artifact / "manifest.json").read_text())["passes"]}
+    fp8 = stats["quantize_fp8"]
+    layers = SHAPES["25m"]["num_hidden_layers"]
+    assert fp8["streamed"] == fp8["quantized_count"] == 7 * layers
+    if method == "fp8-static":
+        got = info["memory"]["pass.quantize_fp8"]
+        assert 0.75 * got <= est <= 1.25 * got, (est, got)
+        assert fp8["streamed_layers"] == layers and len(fp8["activation_amax"]) == 7 * layers
+        assert all(v > 0 for v in fp8["activation_amax"].values())

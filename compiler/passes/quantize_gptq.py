@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -42,32 +40,6 @@ def sequential_steps(names: list[str]) -> list[list[str]]:
     steps = [[n for n in names if n.rsplit(".", 1)[-1] in roles] for roles in SEQUENTIAL_ROLES]
     rest = [n for n in names if not any(n in s for s in steps)]
     return [s for s in steps if s] + ([rest] if rest else [])
-
-
-@contextmanager
-def parameters_read(model: Any, deferred: dict[str, tuple[int, Any]], names: list[str]) -> Iterator[None]:
-    """The streamed parameters `names` of `model` hold their checkpoint values for the duration (read one at
-    a time from capture's `deferred_params`); then their unread storage again (the values are freed)."""
-    import numpy as np
-    import torch
-
-    from compiler.memory import trim_heap
-
-    kept: list[tuple[Any, Any]] = []
-    try:
-        for name in names:
-            p = model.get_parameter(name)
-            value = deferred[name][1].compute()
-            if not value.flags.writeable:
-                value = np.array(value)
-            kept.append((p, p.data))
-            p.data = torch.from_numpy(value)
-        yield
-    finally:
-        for p, unread in kept:
-            p.data = unread
-        kept.clear()
-        trim_heap()
 
 
 @dataclass(frozen=True)
@@ -108,6 +80,7 @@ class QuantizeGptqPass(Int4WeightSizes, Pass):
         from compiler.quant.state import (
             QuantizedWeight,
             begin,
+            parameters_read,
             progress_done,
             progress_task,
             quant_state,

@@ -5,14 +5,20 @@
 `scale = amax / 448`, per output channel or per tensor for weights, per tensor (static, from
 calibration) or per token (dynamic, computed in the graph) for activations. The cast is
 round-to-nearest-even with saturation, as ONNX QuantizeLinear (saturate=1) does it.
+
+A weight that a streamed build has not read (compiler/streamed.py) is a `StreamedFp8`: its codes and
+scales are computed from the checkpoint tensor when package writes them, by the same `quantize_weight`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from compiler.streamed import Deferred, cached
 
 E4M3_MAX = 448.0
 MIN_SCALE = 1e-12  # an all-zero channel still gets a finite, positive scale
@@ -42,6 +48,27 @@ class Fp8Weight:
         q = torch.from_numpy(self.codes.copy()).view(torch.float8_e4m3fn).to(torch.float32)
         s = torch.from_numpy(self.scales)
         return q * (s.view(-1, 1) if s.ndim == 1 else s)
+
+
+class StreamedFp8(Fp8Weight):
+    """FP8 E4M3 of a weight that is not in memory (compiler/streamed.py): codes and scales are Deferreds of one
+    `quantize_weight` of `source` (the checkpoint tensor's reader), run when the artifact is written."""
+
+    def __init__(self, name: str, source: Deferred, per_channel: bool) -> None:
+        n, k = source.shape
+        self.key = ("fp8", name, per_channel)
+
+        def run() -> Fp8Weight:
+            return quantize_weight(torch.from_numpy(source.compute()), per_channel)
+
+        def part(field: str) -> Callable[[], np.ndarray]:
+            return lambda: getattr(cached(self.key, run), field)
+
+        super().__init__(codes=Deferred((n, k), np.uint8, part("codes")),  # type: ignore[arg-type]
+                         scales=Deferred((n,) if per_channel else (), np.float32, part("scales")))  # type: ignore[arg-type]
+
+    def dequantize(self) -> torch.Tensor:
+        raise TypeError("a streamed FP8 weight is computed when the artifact is written, not dequantized")
 
 
 def weight_scales(w: torch.Tensor, per_channel: bool) -> torch.Tensor:

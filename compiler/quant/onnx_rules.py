@@ -222,7 +222,9 @@ class WeightToQdq:
             ]
             node = helper.make_node("DequantizeLinear", inputs, [out], name=g.unique(f"{base}_DequantizeLinear"), axis=0)
         elif isinstance(d, Fp8Weight):
-            codes = d.codes.view(ml_dtypes.float8_e4m3fn)
+            e4m3 = ml_dtypes.float8_e4m3fn
+            codes = (d.codes.map(lambda c: c.view(e4m3), d.codes.shape, e4m3) if isinstance(d.codes, Deferred)
+                     else d.codes.view(e4m3))
             inputs = [
                 g.add_init(_tensor(codes, g.unique(f"{base}_quantized"))),
                 g.add_init(_tensor(d.scales.astype(self.float_type), g.unique(f"{base}_scale"))),

@@ -4,11 +4,14 @@ The quantized tensors are data (STYLE 11): per weight name, the codes, scales an
 artifact stores, plus how activations and the KV cache are quantized. The torch model holds the
 dequantized weights, so our model definition computes what the artifact computes; the unquantized
 model is kept as ctx.artifacts["reference_model"] for the quality gate (when the recipe has one).
+A streamed build's calibrated passes read one decoder layer's weights at a time (`parameters_read`).
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -141,4 +144,24 @@ def skipped_modules(model: nn.Module, quantized: dict[str, Any], ignore: tuple[s
     return out
 
 
+@contextmanager
+def parameters_read(model: Any, deferred: dict[str, tuple[int, Any]], names: list[str]) -> Iterator[None]:
+    """The streamed parameters `names` of `model` hold their checkpoint values for the duration (read one at
+    a time from capture's `deferred_params`); then their unread storage again (the values are freed)."""
+    from compiler.memory import trim_heap
 
+    kept: list[tuple[Any, Any]] = []
+    try:
+        for name in names:
+            p = model.get_parameter(name)
+            value = deferred[name][1].compute()
+            if not value.flags.writeable:
+                value = np.array(value)
+            kept.append((p, p.data))
+            p.data = torch.from_numpy(value)
+        yield
+    finally:
+        for p, unread in kept:
+            p.data = unread
+        kept.clear()
+        trim_heap()
