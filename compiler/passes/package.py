@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from compiler.passes.base import BuildContext, BuildError, Pass
@@ -115,8 +117,35 @@ class PackagePass(Pass):
         return None
 
     def run(self, ctx: BuildContext) -> dict[str, Any]:
+        from compiler.tokenizer import TokenizerParityError, write_tokenizer
+
         out = ctx.staging
         out.mkdir(parents=True, exist_ok=True)
+        # the tokenizer (transformers' resolution and the parity check) on a thread while the model is written
+        with ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as pool:
+            tokenizer = pool.submit(write_tokenizer, ctx.checkpoint.path, ctx.checkpoint.tokenizer_files,
+                                    out / "tokenizer", source=self.config.tokenizer)
+            model_file, weights_file, extra = self._write_model(ctx, out)
+            try:
+                ctx.artifacts["tokenizer"] = tokenizer.result()
+            except TokenizerParityError as exc:
+                raise BuildError(str(exc)) from exc
+        (out / "runtime.json").write_text(
+            json.dumps(runtime_config(ctx), sort_keys=True, indent=2) + "\n", encoding="utf-8"
+        )
+        files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
+        return {
+            "model_file": model_file,
+            "weights_file": weights_file,
+            "weights_bytes": (out / weights_file).stat().st_size,
+            "tokenizer_files": sorted(f.name for f in ctx.checkpoint.tokenizer_files),
+            "tokenizer_source": ctx.artifacts["tokenizer"]["source"],
+            "files": files,
+            **extra,
+        }
+
+    def _write_model(self, ctx: BuildContext, out: Path) -> tuple[str, str, dict[str, Any]]:
+        """The model (and weights) files in `out`: (model file, weights file, package's extra stats)."""
         extra: dict[str, Any] = {}
         if ctx.recipe.target.backend == "torch":
             import torch
@@ -150,23 +179,4 @@ class PackagePass(Pass):
                     convert_attribute=False,
                 )
             model_file, weights_file = MODEL_FILE, WEIGHTS_FILE
-        from compiler.tokenizer import TokenizerParityError, write_tokenizer
-
-        try:
-            ctx.artifacts["tokenizer"] = write_tokenizer(ctx.checkpoint.path, ctx.checkpoint.tokenizer_files,
-                                                         out / "tokenizer", source=self.config.tokenizer)
-        except TokenizerParityError as exc:
-            raise BuildError(str(exc)) from exc
-        (out / "runtime.json").write_text(
-            json.dumps(runtime_config(ctx), sort_keys=True, indent=2) + "\n", encoding="utf-8"
-        )
-        files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
-        return {
-            "model_file": model_file,
-            "weights_file": weights_file,
-            "weights_bytes": (out / weights_file).stat().st_size,
-            "tokenizer_files": sorted(f.name for f in ctx.checkpoint.tokenizer_files),
-            "tokenizer_source": ctx.artifacts["tokenizer"]["source"],
-            "files": files,
-            **extra,
-        }
+        return model_file, weights_file, extra

@@ -221,7 +221,8 @@ def pack_nibbles(codes: np.ndarray) -> np.ndarray:
     """Pairs of 4-bit values along the last axis -> bytes (first value in the low nibble)."""
     if codes.shape[-1] % 2:
         codes = np.concatenate([codes, np.zeros(codes.shape[:-1] + (1,), np.uint8)], axis=-1)
-    return (codes[..., 0::2] & 0x0F) | ((codes[..., 1::2] & 0x0F) << 4)
+    packed = codes[..., 0::2] & 0x0F  # (x & 0x0F) << 4 is x << 4 in uint8: the high bits fall off
+    return np.bitwise_or(packed, np.left_shift(codes[..., 1::2], 4, dtype=np.uint8), out=packed)
 
 
 def pack_matmulnbits(q: Int4Weight) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
