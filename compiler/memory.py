@@ -174,27 +174,30 @@ def gptq_streamed_bytes(recipe: Recipe, info: CheckpointInfo) -> int:
     """What a streamed quantize_gptq holds at its peak (compiler/passes/quantize_gptq.py): one decoder layer's
     weights in float32, the calibration hidden states (T tokens x hidden, float32, twice while a layer's output
     replaces its input), and the larger of the two phases of one true-sequential step of Linears with input
-    width d: capturing (one float64 [d, d] Hessian accumulator per distinct input, a band of X^T X, a batch's
-    inputs in float32 and float64 and the layer's forward activations of a batch) and quantizing (the prepared
-    Hessian, in place, and the other inputs' accumulators; the weight in float64, permuted, and its codes); or,
+    width d: capturing (one [d, d] Hessian accumulator per distinct input in the pass's `precision`, a band of
+    X^T X, a batch's inputs in float32 and in that precision and the layer's forward activations of a batch) and
+    quantizing (the prepared Hessian, in place, and the other inputs' accumulators; the weight in that precision,
+    permuted, and its codes); or,
     before the layers, the embedding table read whole (float32 and the checkpoint's copy) beside the hidden
     states, where that is more."""
     from compiler.passes.quantize_gptq import SEQUENTIAL_ROLES, sequential_steps
     from compiler.quant.gptq import ADD_ROWS
 
     t = _calibration_terms(recipe, info)
+    spec = next((p for p in recipe.passes if p.name == "quantize_gptq"), None)
+    size = 8 if spec is not None and spec.options.get("precision") == "float64" else 4  # bytes per element
     layer = [(n, shape) for n, (_dtype, shape) in info.tensors.items() if n.startswith("model.layers.0.")]
     linears = {n.removesuffix(".weight"): shape for n, shape in layer if n.endswith(".weight") and len(shape) == 2}
     worst = 0
     for step in sequential_steps(list(linears)):
         d = max(linears[n][1] for n in step)
         out = max(linears[n][0] for n in step)
-        hess = d * d * 8
+        hess = d * d * size
         # Linears of one role group share their input (one accumulator); any others have one each
         inputs = 1 if any(all(n.rsplit(".", 1)[-1] in roles for n in step) for roles in SEQUENTIAL_ROLES) \
             else len(step)
-        capturing = inputs * hess + min(ADD_ROWS, d) * d * 8 + t["batch"] * d * 12 + t["forward"]
-        quantizing = inputs * hess + min(ADD_ROWS, d) * d * 8 + out * d * (2 * 8 + 1)
+        capturing = inputs * hess + min(ADD_ROWS, d) * d * size + t["batch"] * d * (4 + size) + t["forward"]
+        quantizing = inputs * hess + min(ADD_ROWS, d) * d * size + out * d * (2 * size + 1)
         worst = max(worst, capturing, quantizing)
     return max(t["weights"] + 2 * t["hidden"] + worst, t["embed"] + t["hidden"])
 

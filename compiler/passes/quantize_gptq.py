@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from compiler.passes.base import BuildContext, BuildError, Pass
 from compiler.quant.common import Int4WeightSizes, check_group_size
@@ -53,6 +53,9 @@ class GptqOptions:
     symmetric: bool = False  # zero point 8, signed int4 values (what TensorRT dequantizes)
     # each group's range searched (shrunk min/max of least |Q(w) - w|^2.4, GPTQ's `mse` quantizer)
     range_search: bool = False
+    # the Hessian, its factor and the weights' error feedback: float32 as the reference implementation (half the
+    # memory and time of float64), or float64
+    precision: Literal["float32", "float64"] = "float32"
 
     def __post_init__(self) -> None:
         check_group_size(self.group_size)
@@ -138,6 +141,7 @@ class QuantizeGptqPass(Int4WeightSizes, Pass):
             extra = {"streamed_layers": len(model.layers)} if deferred else {}
             return {"method": "gptq", "bits": 4, "group_size": c.group_size, "symmetric": c.symmetric,
                     "damp": c.damp, "act_order": c.act_order, "range_search": c.range_search,
+                    "precision": c.precision,
                     "calibration": cal.record,
                     "reconstruction_loss": {k: float(f"{v:.6g}") for k, v in sorted(losses.items())},
                     "unseen_rtn": unseen,
@@ -146,6 +150,8 @@ class QuantizeGptqPass(Int4WeightSizes, Pass):
     def _quantize_layer(self, i: int, layer: Any, prefix: str, targets: dict[str, Any], runner: Any,
                         keep: Any, losses: dict[str, float], unseen: list[str]) -> None:
         """GPTQ of decoder layer i's target Linears, step by step; then the runner advances past the layer."""
+        import torch
+
         from compiler.quant import gptq, int4
         from compiler.quant.state import layer_linears
 
@@ -155,7 +161,7 @@ class QuantizeGptqPass(Int4WeightSizes, Pass):
         if not c.true_sequential:
             steps = [[n for s in steps for n in s]]
         for step in steps:
-            hess = gptq.SharedHessians({n: mine[n].in_features for n in step})
+            hess = gptq.SharedHessians({n: mine[n].in_features for n in step}, getattr(torch, c.precision))
             runner.capture(i, {n: mine[n] for n in step}, sink=hess.add)
             prepared: dict[int, gptq.Prepared] = {}  # per accumulator: Linears fed one input share the factor
             users = Counter(id(a) for a in hess.of.values())  # Linears still to quantize, per accumulator

@@ -11,11 +11,13 @@ Groups stay contiguous along the input dimension (what MatMulNBits and blocked D
 store): a group's scale and zero point are set from the group's current (error-updated) weights
 when its first column comes up, also under act_order, so no g_idx permutation is needed (from the
 group's min and max, or with `range_search` the shrunk range of least |Q(w) - w|^2.4). Dead
-inputs (diag H = 0) get weight 0. Everything runs in float64.
+inputs (diag H = 0) get weight 0. Everything runs in the Hessian's dtype: float32 (quantize_gptq's default, as
+the reference implementation) or float64 (`precision: float64`; AWQ's `rounding: gptq`).
 
 Memory: the Hessian is prepared in place (`prepare`: permuted, dampened, inverted and factored in its own
-storage), so GPTQ holds one [in, in] matrix, plus the weight in float64 and its uint8 codes. Linears fed the
-same input (q/k/v, gate/up) share one accumulator and one prepared factor.
+storage), so GPTQ holds one [in, in] matrix, plus the weight in the Hessian's dtype and its uint8 codes. Linears
+fed the same input (q/k/v, gate/up) share one accumulator and one prepared factor. X^T X is accumulated in the
+upper triangle only (half the products) and mirrored when the value is taken.
 """
 
 from __future__ import annotations
@@ -28,38 +30,48 @@ from compiler.quant import int4
 
 
 class Hessian:
-    """Running 2/n * X^T X of one Linear's inputs (float64)."""
+    """Running 2/n * X^T X of one Linear's inputs (float64, or `dtype`), accumulated in the upper triangle."""
 
-    def __init__(self, columns: int) -> None:
-        self.h = torch.zeros(columns, columns, dtype=torch.float64)
+    def __init__(self, columns: int, dtype: torch.dtype = torch.float64) -> None:
+        if dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"a Hessian is float32 or float64, not {dtype}")
+        self.h = torch.zeros(columns, columns, dtype=dtype)
         self.n = 0
 
     def add(self, x: torch.Tensor) -> None:
-        x = x.reshape(-1, x.shape[-1]).to(torch.float64)
-        # X^T X a band of rows at a time: the product's working copy is [ADD_ROWS, in], not [in, in]
+        x = x.reshape(-1, x.shape[-1]).to(self.h.dtype)
+        # the upper triangle of X^T X a band of rows at a time (the product's working copy is [ADD_ROWS, in])
         for r in range(0, self.h.shape[0], ADD_ROWS):
-            self.h[r:r + ADD_ROWS] += x[:, r:r + ADD_ROWS].T @ x
+            self.h[r:r + ADD_ROWS, r:] += x[:, r:r + ADD_ROWS].T @ x[:, r:]
         self.n += x.shape[0]
 
     def value(self) -> torch.Tensor:
         if self.n == 0:
             raise ValueError("no calibration input reached this Linear")
-        return self.h * (2.0 / self.n)
+        return _mirror_upper_(self.h.clone()).mul_(2.0 / self.n)
 
     def take(self) -> torch.Tensor:
         """value(), computed in the accumulator's own storage (the accumulator is spent)."""
         if self.n == 0:
             raise ValueError("no calibration input reached this Linear")
-        h, self.h = self.h, torch.empty(0, dtype=torch.float64)
-        return h.mul_(2.0 / self.n)
+        h, self.h = self.h, torch.empty(0, dtype=self.h.dtype)
+        return _mirror_upper_(h).mul_(2.0 / self.n)
+
+
+def _mirror_upper_(h: torch.Tensor) -> torch.Tensor:
+    """h's strict lower triangle set from its upper one, in place (a band of rows at a time)."""
+    for r in range(0, h.shape[0], ADD_ROWS):
+        h[r + ADD_ROWS:, r:r + ADD_ROWS] = h[r:r + ADD_ROWS, r + ADD_ROWS:].T
+    return h
 
 
 class SharedHessians:
     """The Hessians of one step's Linears, fed by LayerRunner.capture's sink. Linears whose input is the same
     tensor (q/k/v of one attention, gate/up of one MLP) share one accumulator: X^T X is computed once."""
 
-    def __init__(self, columns: dict[str, int]) -> None:
+    def __init__(self, columns: dict[str, int], dtype: torch.dtype = torch.float64) -> None:
         self.columns = columns
+        self.dtype = dtype
         self.of: dict[str, Hessian] = {}
         self._users: dict[int, list[str]] = {}  # per accumulator, its Linears in the order they were first fed
         self._fed: dict[int, torch.Tensor] = {}  # per accumulator, the input it last took
@@ -73,7 +85,7 @@ class SharedHessians:
                 self.of[name] = last
                 self._users[id(last)].append(name)
                 return
-            acc = self.of[name] = Hessian(self.columns[name])
+            acc = self.of[name] = Hessian(self.columns[name], self.dtype)
             self._users[id(acc)] = [name]
         elif self._fed.get(id(acc)) is x:  # a Linear sharing the accumulator took this input already
             return
@@ -122,9 +134,10 @@ def _permute_symmetric_(h: torch.Tensor, perm: torch.Tensor) -> None:
 
 
 def prepare(h: torch.Tensor, damp: float = 0.01, act_order: bool = False) -> Prepared:
-    """H (float64 [in, in], changed in place and returned inside the result) made ready for gptq_quantize."""
-    if h.dtype != torch.float64:
-        raise ValueError(f"prepare takes a float64 Hessian, got {h.dtype}")
+    """H (float32 or float64 [in, in], changed in place and returned inside the result) made ready for
+    gptq_quantize_prepared, which then computes in H's dtype."""
+    if h.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"prepare takes a float32 or float64 Hessian, got {h.dtype}")
     dead = torch.diag(h) == 0
     h[dead, dead] = 1.0
     cols = h.shape[0]
@@ -153,9 +166,10 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, group_size: int, damp: float
 
 def gptq_quantize_prepared(w: torch.Tensor, prep: Prepared, group_size: int, block_size: int = 128,
                            symmetric: bool = False, range_search: bool = False) -> tuple[int4.Int4Weight, float]:
-    """gptq_quantize with the Hessian already prepared (shared by the Linears of one input)."""
+    """gptq_quantize with the Hessian already prepared (shared by the Linears of one input), in its dtype."""
     perm, hinv = prep.perm, prep.hinv
-    w = w.detach().to(torch.float64).clone()
+    dtype = hinv.dtype
+    w = w.detach().to(dtype).clone()
     rows, cols = w.shape
     w[:, prep.dead] = 0.0
     if not torch.equal(perm, torch.arange(cols)):
@@ -179,7 +193,7 @@ def gptq_quantize_prepared(w: torch.Tensor, prep: Prepared, group_size: int, blo
             g = int(gidx[j])
             if not ready[g]:
                 pos = members[g]
-                cur = torch.empty(rows, pos.numel(), dtype=torch.float64)
+                cur = torch.empty(rows, pos.numel(), dtype=dtype)
                 inside = pos < i2
                 cur[:, inside] = w1[:, pos[inside] - i1]
                 later = pos[~inside]
@@ -188,7 +202,7 @@ def gptq_quantize_prepared(w: torch.Tensor, prep: Prepared, group_size: int, blo
                 scale[:, g], zero[:, g] = int4.search_range(cur, symmetric) if range_search else \
                     int4.params_from_range(cur.amin(1), cur.amax(1), symmetric)
                 ready[g] = True
-            s, z = scale[:, g].to(torch.float64), zero[:, g].to(torch.float64)
+            s, z = scale[:, g].to(dtype), zero[:, g].to(dtype)
             col = w1[:, i]
             q = int4.quantize_codes(col, s, z)
             dq = int4.dequantize_codes(q, s, z)
