@@ -25,6 +25,7 @@ import os
 import platform
 import shutil
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
@@ -685,11 +686,12 @@ def build(recipe_path: str | Path, progress: bool = True, output: str | Path | N
     memory: dict[str, int] = {}
     sampler = RssSampler()
     return_freed_memory()
+    stop_hashing = threading.Event()  # set when the build ends: a failed build does not wait for the hash
     try:
         # the checkpoint's hash for the manifest, on a second thread beside the passes (hashlib and file reads
         # release the GIL), joined before the manifest is written
         hashing = ThreadPoolExecutor(1, thread_name_prefix="hash-source")
-        src_hash = hashing.submit(_timed_source_sha256, p.checkpoint)
+        src_hash = hashing.submit(_timed_source_sha256, p.checkpoint, stop_hashing)
         hashing.shutdown(wait=False)
         pass_records = []
         with _progress(progress) as bar, sampler:
@@ -748,6 +750,7 @@ def build(recipe_path: str | Path, progress: bool = True, output: str | Path | N
         staging.rename(final)
         reset_streamed()
     except BaseException:
+        stop_hashing.set()
         reset_streamed()
         shutil.rmtree(staging, ignore_errors=True)
         if draft is not None:
@@ -766,12 +769,12 @@ def build(recipe_path: str | Path, progress: bool = True, output: str | Path | N
     return final
 
 
-def _timed_source_sha256(info: CheckpointInfo) -> tuple[str, float]:
-    """(source_sha256 of the checkpoint, seconds it took)."""
+def _timed_source_sha256(info: CheckpointInfo, stop: threading.Event) -> tuple[str, float]:
+    """(source_sha256 of the checkpoint, seconds it took); stops early (HashStopped) once `stop` is set."""
     from compiler.checkpoint import source_sha256
 
     t = time.perf_counter()
-    return source_sha256(info), time.perf_counter() - t
+    return source_sha256(info, stop), time.perf_counter() - t
 
 
 def _remove_stale_staging(parent: Path, version: str) -> None:

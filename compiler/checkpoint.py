@@ -15,6 +15,7 @@ import hashlib
 import json
 import logging
 import struct
+import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -485,12 +486,19 @@ def load_weights(info: CheckpointInfo) -> dict[str, Any]:
     return {name: weights[name] for name in weights}
 
 
-def source_sha256(info: CheckpointInfo) -> str:
-    """sha256 over config.json and each weight file (by name, in sorted order)."""
+class HashStopped(Exception):
+    """source_sha256 was told to stop (the build it hashed for has ended)."""
+
+
+def source_sha256(info: CheckpointInfo, stop: threading.Event | None = None) -> str:
+    """sha256 over config.json and each weight file (by name, in sorted order). `stop`: checked between reads of
+    1 MiB; once set, HashStopped is raised."""
     h = hashlib.sha256()
     for f in [info.path / "config.json", *sorted(info.weight_files)]:
         h.update(f.name.encode() + b"\0")
         with f.open("rb") as fh:
             for chunk in iter(lambda: fh.read(1 << 20), b""):
+                if stop is not None and stop.is_set():
+                    raise HashStopped(str(f))
                 h.update(chunk)
     return h.hexdigest()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from conftest import DEMO_MODEL, make_random_checkpoint
 from compiler.checkpoint import (
     SUPPORTED_ARCHITECTURES,
     CheckpointError,
+    HashStopped,
     inspect_checkpoint,
     load_weights,
     source_sha256,
@@ -95,6 +97,12 @@ def test_source_hash_covers_weights_and_config(tmp_path: Path) -> None:
     cfg["rms_norm_eps"] = 1e-6
     (folder / "config.json").write_text(json.dumps(cfg))
     assert source_sha256(inspect_checkpoint(folder)) != changed
+    # a build that ends early stops the hash it started beside its passes
+    stop = threading.Event()
+    assert source_sha256(inspect_checkpoint(folder), stop) == source_sha256(inspect_checkpoint(folder))
+    stop.set()
+    with pytest.raises(HashStopped, match="config.json"):
+        source_sha256(inspect_checkpoint(folder), stop)
 
 
 def test_inspect_reads_no_weights_and_counts_parameters() -> None:
