@@ -232,6 +232,52 @@ def test_gptq_prepares_the_hessian_in_its_own_storage_as_the_textbook_formula(ac
     assert not acc.h[band.unsqueeze(1) > band.unsqueeze(0)].any()
 
 
+def _gptq_textbook(w: torch.Tensor, prep: gptq.Prepared, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPTQ without lazy batches: each column's error pushed onto every later column at once; a group's scale and
+    zero from its current weights when its first column comes up. (codes [rows, cols] in processed order, scales)"""
+    w = w.to(torch.float64).clone()
+    w[:, prep.dead] = 0.0
+    w = w[:, prep.perm]
+    u = prep.hinv.to(torch.float64)
+    rows, cols = w.shape
+    gidx = prep.perm // group_size
+    scale = torch.zeros(rows, int4.num_groups(cols, group_size), dtype=torch.float64)
+    zero = torch.zeros_like(scale)
+    done: set[int] = set()
+    codes = torch.zeros(rows, cols, dtype=torch.float64)
+    for j in range(cols):
+        g = int(gidx[j])
+        if g not in done:
+            cur = w[:, gidx == g]
+            sc, zc = int4.params_from_range(cur.amin(1), cur.amax(1))
+            scale[:, g], zero[:, g] = sc.double(), zc.double()
+            done.add(g)
+        q = int4.quantize_codes(w[:, j], scale[:, g], zero[:, g])
+        codes[:, j] = q
+        e = (w[:, j] - int4.dequantize_codes(q, scale[:, g], zero[:, g])) / u[j, j]
+        w[:, j + 1:] -= e.unsqueeze(1) * u[j, j + 1:].unsqueeze(0)
+    return codes, scale
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+@pytest.mark.parametrize("block_size", [128, 40])
+def test_gptq_lazy_batches_and_sub_batches_equal_the_textbook_loop(act_order: bool, block_size: int) -> None:
+    """gptq_quantize_prepared's lazy batches (block_size) and sub-batches (gptq.SUB_BLOCK columns, the rest of the
+    batch by one product each) compute what pushing each column's error onto all later columns at once computes."""
+    cols = 300
+    w = _weight(24, cols, seed=5)
+    x = _correlated_inputs(1024, cols, seed=6)
+    x[:, 11] = 0.0
+    acc = gptq.Hessian(cols)
+    acc.add(x)
+    prep = gptq.prepare(acc.take(), 0.01, act_order)
+    q, _ = gptq.gptq_quantize_prepared(w, prep, 64, block_size=block_size)
+    want_codes, want_scale = _gptq_textbook(w, prep, 64)
+    got = torch.from_numpy(q.codes.astype(np.float64))[:, prep.perm]
+    assert float((got != want_codes).double().mean()) < 1e-3  # a rounding tie may fall the other way
+    torch.testing.assert_close(torch.from_numpy(q.scales).double(), want_scale, rtol=1e-6, atol=0)
+
+
 def test_linears_fed_one_input_share_one_hessian() -> None:
     cols = {"q": 64, "k": 64, "o": 64}
     xs = [_correlated_inputs(256, 64, seed=s) for s in (1, 2, 3, 4)]

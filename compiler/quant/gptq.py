@@ -6,7 +6,10 @@ onto the columns not yet quantized through the inverse Hessian of the layer's re
     for column j (in order, or by decreasing diag H with act_order):
         q_j = Q(w_j);  e = (w_j - q_j) / U[j, j];  w_k -= e * U[j, k] for k after j
 
-with the lazy batch updates of the reference implementation (blocks of `block_size` columns).
+with the lazy batch updates of the reference implementation (blocks of `block_size` columns), and inside
+each block sub-batches of SUB_BLOCK columns: a column's error is pushed one by one only onto the rest of its
+sub-batch, onto the rest of the block by one product per sub-batch (the same arithmetic, a fraction of the
+memory traffic). A block's columns are held as rows ([n, rows]), so each update is contiguous.
 Groups stay contiguous along the input dimension (what MatMulNBits and blocked DequantizeLinear
 store): a group's scale and zero point are set from the group's current (error-updated) weights
 when its first column comes up, also under act_order, so no g_idx permutation is needed (from the
@@ -98,6 +101,9 @@ class SharedHessians:
 
 # rows of X^T X computed at a time by Hessian.add
 ADD_ROWS = 1024
+# columns of a lazy batch updated one by one in gptq_quantize_prepared (the rest of the batch takes one product
+# per sub-batch): the rank-1 updates touch rows x SUB_BLOCK values instead of rows x block_size
+SUB_BLOCK = 16
 
 
 @dataclass(frozen=True)
@@ -181,37 +187,64 @@ def gptq_quantize_prepared(w: torch.Tensor, prep: Prepared, group_size: int, blo
     scale = torch.zeros(rows, groups, dtype=torch.float32)
     zero = torch.zeros(rows, groups, dtype=torch.float32)
     ready = [False] * groups
-    codes = torch.zeros(rows, cols, dtype=torch.uint8)  # exact: the codes are integers 0..15
-    loss = 0.0
-    for i1 in range(0, cols, block_size):
+    codes = torch.zeros(cols, rows, dtype=torch.uint8)  # by processed column; exact: integers 0..15
+    loss = torch.zeros((), dtype=torch.float64)
+    for i1 in range(0, cols, block_size):  # lazy batches of block_size columns ...
         i2 = min(i1 + block_size, cols)
-        w1 = w[:, i1:i2].clone()
+        n = i2 - i1
+        w1 = w[:, i1:i2].T.contiguous()  # [n, rows]: the batch's column i is the row w1[i]
         err1 = torch.zeros_like(w1)
         hinv1 = hinv[i1:i2, i1:i2]
-        for i in range(i2 - i1):
-            j = i1 + i
-            g = int(gidx[j])
-            if not ready[g]:
-                pos = members[g]
-                cur = torch.empty(rows, pos.numel(), dtype=dtype)
-                inside = pos < i2
-                cur[:, inside] = w1[:, pos[inside] - i1]
-                later = pos[~inside]
-                if later.numel():
-                    cur[:, ~inside] = w[:, later] - err1[:, :i] @ hinv[i1:j, later]
-                scale[:, g], zero[:, g] = int4.search_range(cur, symmetric) if range_search else \
-                    int4.params_from_range(cur.amin(1), cur.amax(1), symmetric)
-                ready[g] = True
-            s, z = scale[:, g].to(dtype), zero[:, g].to(dtype)
-            col = w1[:, i]
-            q = int4.quantize_codes(col, s, z)
-            dq = int4.dequantize_codes(q, s, z)
-            codes[:, j] = q
-            d = hinv1[i, i]
-            e = (col - dq) / d
-            loss += float((e * e).sum()) / 2
-            w1[:, i:] -= e.unsqueeze(1) @ hinv1[i, i:].unsqueeze(0)
-            err1[:, i] = e
-        w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
+        for s1 in range(0, n, SUB_BLOCK):  # ... and inside each, sub-batches: one product per sub-batch
+            s2 = min(s1 + SUB_BLOCK, n)
+            for i in range(s1, s2):
+                j = i1 + i
+                g = int(gidx[j])
+                if not ready[g]:
+                    scale[:, g], zero[:, g] = _group_params(
+                        _current(members[g], w, w1, err1, hinv, hinv1, i1, i2, s1, s2, i), symmetric, range_search)
+                    ready[g] = True
+                s, z = scale[:, g].to(dtype), zero[:, g].to(dtype)
+                col = w1[i]
+                q = int4.quantize_codes(col, s, z)
+                e = (col - int4.dequantize_codes(q, s, z)) / hinv1[i, i]
+                codes[j] = q
+                err1[i] = e
+                if i + 1 < s2:  # the rest of the sub-batch, column by column
+                    w1[i + 1:s2].addr_(hinv1[i, i + 1:s2], e, alpha=-1)
+            if s2 < n:  # the rest of the batch
+                w1[s2:] -= hinv1[s1:s2, s2:].T @ err1[s1:s2]
+        loss += (err1.to(torch.float64) ** 2).sum() / 2
+        if i2 < cols:  # the columns after the batch
+            w[:, i2:] -= err1.T @ hinv[i1:i2, i2:]
+    codes = codes.T
     inv = torch.argsort(perm)
-    return int4.from_codes(codes[:, inv], scale, zero, group_size, symmetric), loss
+    return int4.from_codes(codes[:, inv], scale, zero, group_size, symmetric), float(loss)
+
+
+def _current(pos: torch.Tensor, w: torch.Tensor, w1: torch.Tensor, err1: torch.Tensor, hinv: torch.Tensor,
+             hinv1: torch.Tensor, i1: int, i2: int, s1: int, s2: int, i: int) -> torch.Tensor:
+    """The current (error-updated) weights [rows, len(pos)] of the processed positions `pos` (all at or after the
+    column i1 + i being processed) while the lazy updates of batch [i1, i2) and its sub-batch [s1, s2) are pending:
+    inside the sub-batch w1 is up to date; later in the batch the sub-batch's columns s1..i-1 are not applied yet;
+    after the batch none of the batch's columns are."""
+    rows = w.shape[0]
+    cur = torch.empty(pos.numel(), rows, dtype=w.dtype)
+    sub = pos < i1 + s2
+    cur[sub] = w1[pos[sub] - i1]
+    batch = ~sub & (pos < i2)
+    if batch.any():
+        k = pos[batch] - i1
+        cur[batch] = w1[k] - hinv1[s1:i, k].T @ err1[s1:i] if i > s1 else w1[k]
+    later = pos >= i2
+    if later.any():
+        k = pos[later]
+        cur[later] = w[:, k].T - hinv[i1:i1 + i, k].T @ err1[:i]
+    return cur.T
+
+
+def _group_params(cur: torch.Tensor, symmetric: bool, range_search: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, zero) of one group from its current weights [rows, n]."""
+    if range_search:
+        return int4.search_range(cur, symmetric)
+    return int4.params_from_range(cur.amin(1), cur.amax(1), symmetric)
