@@ -170,8 +170,8 @@ def _calibration_terms(recipe: Recipe, info: CheckpointInfo) -> dict[str, int]:
             "embed": embed}
 
 
-def gptq_streamed_bytes(recipe: Recipe, info: CheckpointInfo) -> int:
-    """What a streamed quantize_gptq holds at its peak (compiler/passes/quantize_gptq.py): one decoder layer's
+def gptq_streamed_bytes(recipe: Recipe, info: CheckpointInfo, options: Any) -> int:
+    """What a streamed quantize_gptq with `options` (its GptqOptions) holds at its peak (compiler/passes/quantize_gptq.py): one decoder layer's
     weights in float32, the calibration hidden states (T tokens x hidden, float32, twice while a layer's output
     replaces its input), and the larger of the two phases of one true-sequential step of Linears with input
     width d: capturing (one [d, d] Hessian accumulator per distinct input in the pass's `precision`, a band of
@@ -184,8 +184,7 @@ def gptq_streamed_bytes(recipe: Recipe, info: CheckpointInfo) -> int:
     from compiler.quant.gptq import ADD_ROWS
 
     t = _calibration_terms(recipe, info)
-    spec = next((p for p in recipe.passes if p.name == "quantize_gptq"), None)
-    size = 8 if spec is not None and spec.options.get("precision") == "float64" else 4  # bytes per element
+    size = 8 if options.precision == "float64" else 4  # bytes per element
     layer = [(n, shape) for n, (_dtype, shape) in info.tensors.items() if n.startswith("model.layers.0.")]
     linears = {n.removesuffix(".weight"): shape for n, shape in layer if n.endswith(".weight") and len(shape) == 2}
     worst = 0
@@ -277,7 +276,7 @@ def estimate_pass_peaks(recipe: Recipe, info: CheckpointInfo, passes: list[Any],
         if ps.name == "capture":
             resident += TORCH_OVERHEAD + (0 if streamed else weights)
         elif ps.name == "quantize_gptq" and streamed:  # one layer at a time, its codes spilled to disk
-            out[ps.name] = resident + gptq_streamed_bytes(recipe, info)
+            out[ps.name] = resident + gptq_streamed_bytes(recipe, info, ps.config)
             continue
         elif ps.name == "quantize_fp8" and streamed:  # recorded; a static calibration reads one layer at a time
             out[ps.name] = resident + fp8_streamed_bytes(recipe, info, ps.config)
