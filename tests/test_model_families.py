@@ -12,6 +12,7 @@ Logits and greedy tokens of each family against transformers: tests/test_parity.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -115,6 +116,61 @@ def test_capture_stops_the_layer_once_every_input_is_seen_and_sees_what_the_full
                 torch.testing.assert_close(a, b, rtol=0, atol=0)
         if step[0].endswith("q_proj"):  # one input object for q, k and v in each batch
             assert all(fed[b][1] is fed[b + 1][1] is fed[b + 2][1] for b in range(0, len(fed), 3))
+
+
+@pytest.mark.parametrize("family", ["granite", "olmo2", "gemma2", "mixtral"])
+def test_kept_attention_and_mlp_input_give_the_full_forward_without_recomputing(family: str, tmp_path: Path
+                                                                               ) -> None:
+    """GPTQ's order: once the attention is final its output is kept from the next forward on, once gate/up are
+    final down_proj's input too; the later captures and advance skip what was kept and still compute exactly
+    what a fresh forward with the final weights computes. A mixture of experts keeps the attention only."""
+    arch, overrides = FAMILIES[family]
+    ckpt = make_random_checkpoint(tmp_path / "ckpt", arch, seed=7, **overrides)
+    info = inspect_checkpoint(ckpt, max_model_len=512)
+    model = LlamaForwardBatchModel(info.config, 16).eval()
+    model.load_hf_state_dict(load_weights(info), torch.float32)
+    samples = [list(range(5, 45)), list(range(100, 131))]
+    runner = LayerRunner(model, samples, max_tokens_per_batch=40)
+    layer = model.layers[0]
+    linears = {n: m for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear)}
+    gate_up = {n: linears[n] for n in linears if n.endswith(("gate_proj", "up_proj"))}
+    down = {n: linears[n] for n in linears if n.endswith("down_proj")}
+    calls: dict[str, int] = {"o_proj": 0, "gate_up": 0, "down": 0}
+
+    def count(key: str) -> Any:
+        def hook(_m: torch.nn.Module, _a: tuple[Any, ...]) -> None:
+            calls[key] += 1
+        return hook
+
+    handles = [layer.self_attn.o_proj.register_forward_pre_hook(count("o_proj"))]
+    handles += [m.register_forward_pre_hook(count("gate_up")) for m in gate_up.values()]
+    handles += [m.register_forward_pre_hook(count("down")) for m in down.values()]
+    batches = len(runner.hidden)
+    try:
+        runner.attention_final(0)
+        runner.capture(0, gate_up, sink=lambda _n, _x: None)
+        assert calls["o_proj"] == batches  # computed once per batch and kept
+        dense = runner.mlp_input_final(0)
+        assert dense == (family != "mixtral")
+        runner.capture(0, down, sink=lambda _n, _x: None)
+        assert calls["o_proj"] == batches  # the kept output reused
+        before = dict(calls)
+        with torch.no_grad():  # what quantizing down_proj does to it
+            for m in down.values():
+                m.weight.mul_(0.5)
+        runner.advance(0)
+    finally:
+        for h in handles:
+            h.remove()
+    assert calls["o_proj"] == before["o_proj"]
+    if dense:
+        assert calls["gate_up"] == before["gate_up"] and calls["down"] == before["down"] + batches
+    else:  # the experts' MLP runs again
+        assert calls["gate_up"] > before["gate_up"]
+    fresh = LayerRunner(model, samples, max_tokens_per_batch=40)
+    for got, want in zip(runner.hidden, fresh.outputs(0), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert runner._kept is None  # advance dropped what it kept
 
 
 @pytest.mark.parametrize(("passes", "needle"), [

@@ -468,18 +468,20 @@ class LlamaForwardBatchModel(nn.Module):
         """What layer.self_attn reads: the normalised residual (pre-norm), the residual itself (post-norm)."""
         return x if self.cfg.post_norm else layer.input_layernorm(x)
 
-    def layer_forward(self, layer: nn.Module, x: torch.Tensor, attend: Any) -> torch.Tensor:
-        """One decoder layer on the residual x; `attend(attention input) -> attention output`."""
+    def layer_forward(self, layer: nn.Module, x: torch.Tensor, attend: Any, mlp: Any = None) -> torch.Tensor:
+        """One decoder layer on the residual x; `attend(attention input) -> attention output`, `mlp(MLP input) ->
+        MLP output` (layer.mlp unless given)."""
         rm = self.cfg.residual_multiplier
+        mlp = layer.mlp if mlp is None else mlp
         if self.cfg.sandwich_norm:  # Gemma 2: norms before and after each branch
             x = x + layer.post_attention_layernorm(attend(layer.input_layernorm(x)))
-            return x + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(x)))
+            return x + layer.post_feedforward_layernorm(mlp(layer.pre_feedforward_layernorm(x)))
         if self.cfg.post_norm:  # OLMo 2: the norms on the branches' outputs, before the residual adds
             x = x + layer.post_attention_layernorm(attend(x))
-            return x + layer.post_feedforward_layernorm(layer.mlp(x))
+            return x + layer.post_feedforward_layernorm(mlp(x))
         h = attend(layer.input_layernorm(x))
         x = x + (h if rm == 1.0 else h * rm)
-        m = layer.mlp(layer.post_attention_layernorm(x))
+        m = mlp(layer.post_attention_layernorm(x))
         return x + (m if rm == 1.0 else m * rm)
 
     # -- weights -------------------------------------------------------------------------------

@@ -160,7 +160,12 @@ class QuantizeGptqPass(Int4WeightSizes, Pass):
         steps = sequential_steps(list(mine))
         if not c.true_sequential:
             steps = [[n for s in steps for n in s]]
-        for step in steps:
+        for k, step in enumerate(steps):
+            changing = [n for s in steps[k:] for n in s]  # what this step and the later ones quantize
+            if not any(".self_attn." in n for n in changing):  # the runner keeps the attention's output
+                runner.attention_final(i)
+                if changing and all(n.endswith(".mlp.down_proj") for n in changing):
+                    runner.mlp_input_final(i)  # and down_proj's input: advance computes only down_proj
             hess = gptq.SharedHessians({n: mine[n].in_features for n in step}, getattr(torch, c.precision))
             runner.capture(i, {n: mine[n] for n in step}, sink=hess.add)
             prepared: dict[int, gptq.Prepared] = {}  # per accumulator: Linears fed one input share the factor
@@ -183,4 +188,4 @@ class QuantizeGptqPass(Int4WeightSizes, Pass):
                     del prepared[id(acc)]
                 keep(n, "gptq", q)
                 losses[n] = loss
-        runner.advance(i)  # the quantized layer's output feeds the next layer
+        runner.advance(i)  # the quantized layer's output feeds the next layer (what the runner kept reused)

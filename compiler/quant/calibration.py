@@ -185,6 +185,17 @@ class _InputsSeen(Exception):
     """Raised inside a layer's forward once LayerRunner.capture has every input it asked for."""
 
 
+@dataclass
+class _Kept:
+    """What LayerRunner keeps of one layer's forwards while the layer's later parts change: per batch, the
+    attention's output once its weights are final, and the MLP's down projection input once the projections
+    before it are final (None: not computed yet; `mlp_input` None: not kept)."""
+
+    layer: nn.Module
+    attention: list[torch.Tensor | None]
+    mlp_input: list[torch.Tensor | None] | None = None
+
+
 class LayerRunner:
     """Runs the calibration samples through `model` one decoder layer at a time."""
 
@@ -227,6 +238,7 @@ class LayerRunner:
                                            len(g[0]) if self.dense and same else None))
                 self.hidden.append(model.embed(ids))
         self.num_tokens = sum(len(s) for s in seqs)
+        self._kept: _Kept | None = None
 
     def attention(self, layer: nn.Module, x: torch.Tensor, b: int) -> torch.Tensor:
         """layer.self_attn on the normalised input x of batch b (output only)."""
@@ -244,7 +256,52 @@ class LayerRunner:
         return k, v
 
     def layer_forward(self, layer: nn.Module, x: torch.Tensor, b: int) -> torch.Tensor:
-        return self.model.layer_forward(layer, x, lambda xn: self.attention(layer, xn, b))
+        kept = self._kept if self._kept is not None and self._kept.layer is layer else None
+        if kept is None:
+            return self.model.layer_forward(layer, x, lambda xn: self.attention(layer, xn, b))
+
+        def attend(xn: torch.Tensor) -> torch.Tensor:
+            if kept.attention[b] is None:
+                kept.attention[b] = self.attention(layer, xn, b)
+            return kept.attention[b]
+
+        mlp = None
+        handle = None
+        if kept.mlp_input is not None:
+            down = layer.mlp.down_proj
+            if kept.mlp_input[b] is not None:
+                mlp = lambda _xn: down(kept.mlp_input[b])  # noqa: E731  (the same input, the same output)
+            else:  # before any other hook on it (LayerRunner.capture's may stop the forward there)
+                def keep(_m: nn.Module, args: tuple[Any, ...]) -> None:
+                    kept.mlp_input[b] = args[0].detach()
+                handle = down.register_forward_pre_hook(keep, prepend=True)
+        try:
+            return self.model.layer_forward(layer, x, attend, mlp)
+        finally:
+            if handle is not None:
+                handle.remove()
+
+    def attention_final(self, index: int) -> None:
+        """Layer `index`'s attention weights will not change before `advance(index)`: its next forward of each
+        batch keeps the attention output and the later ones reuse it (tokens x hidden, the model's dtype)."""
+        layer = self.model.layers[index]
+        if self._kept is None or self._kept.layer is not layer:
+            self._kept = _Kept(layer, [None] * len(self.hidden))
+
+    def mlp_input_final(self, index: int) -> bool:
+        """Layer `index`'s attention and the MLP's projections before its down projection will not change before
+        `advance(index)` (only down_proj may): the next forward of each batch keeps down_proj's input (tokens x
+        intermediate) and the later ones compute the MLP as down_proj of it. For the dense MLP (compiler.models.
+        llama.MLP: down_proj(act(gate_proj(x)) * up_proj(x))) only; False where the layer's MLP is another."""
+        from compiler.models.llama import MLP
+
+        layer = self.model.layers[index]
+        if type(layer.mlp) is not MLP:
+            return False
+        self.attention_final(index)
+        if self._kept.mlp_input is None:
+            self._kept.mlp_input = [None] * len(self.hidden)
+        return True
 
     def outputs(self, index: int) -> list[torch.Tensor]:
         """Layer `index` applied to the current hidden states (nothing stored)."""
@@ -255,6 +312,7 @@ class LayerRunner:
     def advance(self, index: int) -> None:
         """Replace the hidden states by layer `index`'s outputs (with its current weights)."""
         self.hidden = self.outputs(index)
+        self._kept = None
 
     def capture(self, index: int, modules: dict[str, nn.Module],
                 sink: Callable[[str, torch.Tensor], None] | None = None) -> dict[str, list[torch.Tensor]]:
