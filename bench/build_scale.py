@@ -16,7 +16,7 @@ llama_model_quantize to q4_0 (two processes: the peak is the larger, the wall ti
     PYTHONPATH=$PWD python bench/build_scale.py --shapes 1b --methods gptq --calib-samples 16 --calib-seq-len 512
     PYTHONPATH=$PWD python bench/build_scale.py --shapes 100m --methods fp8,fp8-static
 
-GPTQ and fp8-static rows calibrate on the demo's calib.txt (`--calib-samples` windows of `--calib-seq-len`
+GPTQ, AWQ, int8-smoothquant and fp8-static rows calibrate on the demo's calib.txt (`--calib-samples` windows of `--calib-seq-len`
 tokens); fp8 rows quantize the activations per token in the graph (no calibration).
 
 Prints a table and writes JSON (bench/results/build_scale.json by default). Run it on a quiet machine;
@@ -62,20 +62,27 @@ SHAPES: dict[str, dict[str, int]] = {
                intermediate_size=8192),  # Llama-3.2-3B
     "8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                intermediate_size=14336),  # Llama-3.1-8B
+    # Llama-3.1-8B with its vocabulary (8.0 B parameters: embedding and lm_head 525 M each)
+    "8b-128k": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                    intermediate_size=14336, vocab_size=128256),
 }
-VOCAB = 4096
+VOCAB = 4096  # unless the shape sets vocab_size (the tokenizer is the demo's either way)
 SHARD_BYTES = 2 << 30
 
 METHODS = {
     "rtn": "  - name: quantize_rtn\n    options: {group_size: 128, ignore: [lm_head]}\n",
     "gptq": "  - name: quantize_gptq\n    options: {group_size: 128, ignore: [lm_head]}\n",
+    "awq": "  - name: quantize_awq\n    options: {group_size: 128, ignore: [lm_head]}\n",
     # FP8 E4M3 weights per channel (lm_head and the embedding kept): activations per token in the graph, or
     # per tensor from calibration (static)
     "fp8": "  - name: quantize_fp8\n    options: {weights: per_channel, activations: dynamic}\n",
     "fp8-static": "  - name: quantize_fp8\n    options: {weights: per_channel, activations: static}\n",
+    # INT8 W8A8 (per-channel weights, per-token activations, lm_head kept), plain or with SmoothQuant
+    "int8": "  - name: quantize_int8\n",
+    "int8-smoothquant": "  - name: quantize_int8\n    options: {smoothquant_alpha: 0.5}\n",
     "fp32": "",
 }
-CALIBRATED = ("gptq", "fp8-static")  # the methods that read calibration data
+CALIBRATED = ("gptq", "awq", "int8-smoothquant", "fp8-static")  # the methods that read calibration data
 CALIBRATION_DATA = DEMO_MODEL / "calib.txt"
 
 
@@ -83,7 +90,8 @@ def _tensor_shapes(shape: dict[str, int]) -> list[tuple[str, tuple[int, ...]]]:
     h, inter = shape["hidden_size"], shape["intermediate_size"]
     head_dim = h // shape["num_attention_heads"]
     kv = shape["num_key_value_heads"] * head_dim
-    out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (VOCAB, h))]
+    vocab = shape.get("vocab_size", VOCAB)
+    out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (vocab, h))]
     for i in range(shape["num_hidden_layers"]):
         p = f"model.layers.{i}"
         out += [(f"{p}.input_layernorm.weight", (h,)), (f"{p}.self_attn.q_proj.weight", (h, h)),
@@ -91,7 +99,7 @@ def _tensor_shapes(shape: dict[str, int]) -> list[tuple[str, tuple[int, ...]]]:
                 (f"{p}.self_attn.o_proj.weight", (h, h)), (f"{p}.post_attention_layernorm.weight", (h,)),
                 (f"{p}.mlp.gate_proj.weight", (inter, h)), (f"{p}.mlp.up_proj.weight", (inter, h)),
                 (f"{p}.mlp.down_proj.weight", (h, inter))]
-    out += [("model.norm.weight", (h,)), ("lm_head.weight", (VOCAB, h))]
+    out += [("model.norm.weight", (h,)), ("lm_head.weight", (vocab, h))]
     return out
 
 
@@ -154,9 +162,9 @@ def write_random_llama(out: Path, shape_name: str, seed: int = 0) -> Path:
 
 def write_recipe(folder: Path, checkpoint: Path, method: str, name: str, calib_samples: int = 16,
                  calib_seq_len: int = 512) -> Path:
-    """The build of the scale check: INT4 RTN or GPTQ (g128, lm_head kept), FP8 (per channel, lm_head and the
-    embedding kept; activations dynamic, or static for fp8-static) or fp32, ONNX Runtime CPU. GPTQ and
-    fp8-static calibrate on `calib_samples` windows of `calib_seq_len` tokens of the demo's calib.txt."""
+    """The build of the scale check: INT4 RTN, GPTQ or AWQ (g128, lm_head kept), INT8 (per channel, lm_head kept;
+    SmoothQuant for int8-smoothquant), FP8 (per channel, lm_head and the embedding kept; activations dynamic, or
+    static for fp8-static) or fp32, ONNX Runtime CPU. GPTQ, AWQ, int8-smoothquant and fp8-static calibrate on `calib_samples` windows of `calib_seq_len` tokens of the demo's calib.txt."""
     calibration = (f"calibration:\n  data: {CALIBRATION_DATA}\n  num_samples: {calib_samples}\n"
                    f"  seq_len: {calib_seq_len}\n") if method in CALIBRATED else ""
     text = (f"name: {name}\nversion: 1.0.0\nsource:\n  checkpoint: {checkpoint}\n"
@@ -242,8 +250,8 @@ def main() -> None:
     ap.add_argument("--methods", default="rtn", help=f"comma-separated, of {', '.join(METHODS)}")
     ap.add_argument("--out", type=Path, default=Path("/tmp/bigmodels"), help="checkpoints and artifacts")
     ap.add_argument("--limit-gb", type=float, default=6.0, help="kill a build whose RSS passes this")
-    ap.add_argument("--calib-samples", type=int, default=16, help="GPTQ, fp8-static: calibration windows")
-    ap.add_argument("--calib-seq-len", type=int, default=512, help="GPTQ, fp8-static: tokens per calibration window")
+    ap.add_argument("--calib-samples", type=int, default=16, help="GPTQ, AWQ, fp8-static: calibration windows")
+    ap.add_argument("--calib-seq-len", type=int, default=512, help="GPTQ, AWQ, fp8-static: tokens per calibration window")
     ap.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "build_scale.json")
     ap.add_argument("--keep", action="store_true", help="keep the built artifacts (OUT/build-SHAPE-METHOD/artifacts)")
     ap.add_argument("--references", default="", help=f"comma-separated reference builders, of {', '.join(REFERENCES)}")

@@ -178,7 +178,7 @@ def _weights_mode(recipe: Recipe, info: CheckpointInfo, passes: list[Pass]) -> t
     mode = getattr(capture.config, "weights", "load") if capture is not None else "load"
     if mode == "load":
         return False, "capture's weights: load"
-    reason = streaming_reason(recipe, info)
+    reason = streaming_reason(recipe, info, passes)
     if reason is not None and mode == "stream":
         raise recipe.error(f"passes[{i}].options.weights", f"weights: stream does not apply to this recipe: {reason}")
     return reason is None, reason

@@ -460,12 +460,39 @@ class LazyWeights(Mapping[str, Any]):
             return torch.empty(shape, dtype=getattr(torch, tdtype))
         return torch.frombuffer(buf, dtype=getattr(torch, tdtype)).reshape(shape)
 
+    def rows(self, name: str, start: int, stop: int) -> Any:
+        """Rows start..stop of a tensor (its first dimension), read alone from its shard."""
+        import torch
+
+        dtype, shape = self.info.tensors[name]
+        file, begin, end = self.info.locations[name]
+        tdtype = _TORCH_DTYPES.get(dtype)
+        if tdtype is None:
+            raise CheckpointError(f"{file}: tensor {name!r}: dtype {dtype} is not supported")
+        row_bytes = (end - begin) // shape[0] if shape and shape[0] else 0
+        buf = bytearray(row_bytes * (stop - start))
+        try:
+            with file.open("rb") as f:
+                f.seek(begin + start * row_bytes)
+                got = f.readinto(buf)
+        except OSError as e:
+            raise CheckpointError(f"{file}: tensor {name!r}: cannot read ({e})") from e
+        if got != len(buf):  # shortened since inspect_checkpoint looked
+            raise CheckpointError(f"{file}: truncated: tensor {name!r} needs bytes {begin + start * row_bytes}.."
+                                  f"{begin + stop * row_bytes}, read {got}")
+        if not buf:
+            return torch.empty((stop - start, *shape[1:]), dtype=getattr(torch, tdtype))
+        return torch.frombuffer(buf, dtype=getattr(torch, tdtype)).reshape((stop - start, *shape[1:]))
+
     def shape(self, name: str) -> tuple[int, ...]:
         """A tensor's shape from the shard header (nothing read)."""
         return tuple(self.info.tensors[name][1])
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.info.tensors)
+
+    def __contains__(self, name: object) -> bool:  # Mapping's default reads the tensor to find out
+        return name in self.info.tensors
 
     def __len__(self) -> int:
         return len(self.info.tensors)

@@ -143,8 +143,8 @@ def _quantized_bytes(info: CheckpointInfo, passes: list[Any]) -> tuple[int, int]
 
 # the passes a streamed build runs (the others read or change the weights of the whole model, or run it:
 # plan_cuda_graphs runs each decode bucket in an ONNX Runtime session of the graph in memory)
-STREAMING_PASSES = ("select_attention", "capture", "quantize_rtn", "quantize_gptq", "quantize_fp8", "lower_onnx",
-                    "lower_quant", "fuse", "package")
+STREAMING_PASSES = ("select_attention", "capture", "quantize_rtn", "quantize_gptq", "quantize_awq", "quantize_fp8",
+                    "quantize_int8", "lower_onnx", "lower_quant", "fuse", "package")
 # a streamed calibration's batches (compiler/quant/calibration.py LayerRunner: dense attention) and the
 # float32 tensors a decoder layer's forward holds per token, in units of (3 x intermediate + 6 x hidden)
 GPTQ_BATCH_TOKENS = 4096
@@ -177,7 +177,8 @@ def gptq_streamed_bytes(recipe: Recipe, info: CheckpointInfo, options: Any) -> i
     width d: capturing (one [d, d] Hessian accumulator per distinct input in the pass's `precision`, a band of
     X^T X, a batch's inputs in float32 and in that precision and the layer's forward activations of a batch) and
     quantizing (the prepared Hessian, in place, and the other inputs' accumulators; the weight in that precision,
-    permuted, and its codes); or,
+    permuted, and its codes), plus what the runner keeps in the steps after the attention (its output, T x
+    hidden) and in down_proj's (its input, T x intermediate, float32); or,
     before the layers, the embedding table read whole (float32 and the checkpoint's copy) beside the hidden
     states, where that is more."""
     from compiler.passes.quantize_gptq import SEQUENTIAL_ROLES, sequential_steps
@@ -188,17 +189,53 @@ def gptq_streamed_bytes(recipe: Recipe, info: CheckpointInfo, options: Any) -> i
     layer = [(n, shape) for n, (_dtype, shape) in info.tensors.items() if n.startswith("model.layers.0.")]
     linears = {n.removesuffix(".weight"): shape for n, shape in layer if n.endswith(".weight") and len(shape) == 2}
     worst = 0
-    for step in sequential_steps(list(linears)):
+    steps = sequential_steps(list(linears))
+    for k, step in enumerate(steps):
         d = max(linears[n][1] for n in step)
         out = max(linears[n][0] for n in step)
         hess = d * d * size
         # Linears of one role group share their input (one accumulator); any others have one each
         inputs = 1 if any(all(n.rsplit(".", 1)[-1] in roles for n in step) for roles in SEQUENTIAL_ROLES) \
             else len(step)
-        capturing = inputs * hess + min(ADD_ROWS, d) * d * size + t["batch"] * d * (4 + size) + t["forward"]
+        # a batch's inputs in float32 (the module's own input: the model runs in float32) and in the precision
+        capturing = (inputs * hess + min(ADD_ROWS, d) * d * size + t["batch"] * d * (4 if size == 4 else 4 + size)
+                     + t["forward"])
         quantizing = inputs * hess + min(ADD_ROWS, d) * d * size + out * d * (2 * size + 1)
-        worst = max(worst, capturing, quantizing)
+        changing = [n for s in steps[k:] for n in s]
+        kept = 0  # what LayerRunner keeps once final: the attention's output, then the dense MLP's down_proj input
+        if not any(".self_attn." in n for n in changing):
+            kept += t["hidden"]
+            if all(n.endswith(".mlp.down_proj") for n in changing):
+                mlp_input = t["tokens"] * info.config.intermediate_size * 4
+                # while capturing, the current batch's kept input is the input captured
+                capturing += mlp_input - t["batch"] * d * 4
+                quantizing += mlp_input
+        worst = max(worst, capturing + kept, quantizing + kept)
     return max(t["weights"] + 2 * t["hidden"] + worst, t["embed"] + t["hidden"])
+
+
+def awq_streamed_bytes(recipe: Recipe, info: CheckpointInfo, options: Any) -> int:
+    """What a streamed quantize_awq (search: grid) with `options` (its AwqOptions) holds at its peak
+    (compiler/passes/quantize_awq.py): one decoder layer's weights in float32, the calibration hidden states
+    twice (the layer's output computed beside its input), every scale group's captured input (T tokens x
+    (3 x hidden + intermediate), float32: q/k/v's, o's, gate/up's and down's; sequential: the worst group's)
+    and the larger of the scale search of the gate/up group (the weights it tries, a copy of the originals,
+    the MLP's output per token for reference and trial, and the MLP's forward activations of a batch) and the
+    clip search of down_proj (its input gathered whole, the weight, its trial quantization's temporaries and
+    the partial products of 256 rows over clip_tokens tokens); or, before the layers, the embedding table
+    read whole beside the hidden states, where that is more."""
+    t = _calibration_terms(recipe, info)
+    cfg = info.config
+    hidden, inter = cfg.hidden_size, cfg.intermediate_size
+    tokens = t["tokens"]
+    inputs = tokens * (inter if options.sequential else 3 * hidden + inter) * 4
+    gate_up = 2 * hidden * inter * 4  # the gate/up group's weights in float32
+    scale_search = 2 * gate_up + 2 * tokens * hidden * 4 + t["forward"]
+    groups = -(-inter // options.group_size)
+    clip_search = (tokens * inter + hidden * inter + 3 * 256 * inter
+                   + 2 * 256 * min(tokens, options.clip_tokens) * groups) * 4 if options.clip else 0
+    work = max(scale_search, clip_search)
+    return max(t["weights"] + 2 * t["hidden"] + inputs + work, t["embed"] + t["hidden"])
 
 
 # a streamed FP8 weight's quantization (compiler/quant/fp8.py quantize_weight, then dequantize for the calibration):
@@ -228,9 +265,31 @@ def fp8_streamed_bytes(recipe: Recipe, info: CheckpointInfo, options: Any) -> in
                t["embed"] + t["hidden"] + embed_work)
 
 
-def streaming_reason(recipe: Recipe, info: CheckpointInfo) -> str | None:
+# a streamed INT8 weight's quantization (compiler/quant/int8.py quantize_weight): w / scale and its rounding, in
+# units of the Linear in float32, beside the codes
+INT8_QUANTIZE_WORK = 2
+
+
+def int8_streamed_bytes(recipe: Recipe, info: CheckpointInfo, options: Any) -> int:
+    """What a streamed quantize_int8 with `options` (its Int8Options) holds at its peak
+    (compiler/passes/quantize_int8.py). Without SmoothQuant nothing: each weight is recorded, quantized when
+    package writes it. With it: one decoder layer's weights in float32, the calibration hidden states twice (a
+    layer's output replaces its input) and the larger of the layer's forward activations of a batch and one
+    Linear's quantization (INT8_QUANTIZE_WORK x its float32 size); or, before the layers, the embedding read
+    whole beside the hidden states, where that is more."""
+    if options.smoothquant_alpha is None:
+        return 0
+    t = _calibration_terms(recipe, info)
+    largest = max((math.prod(shape) for n, (_dtype, shape) in info.tensors.items()
+                   if n.startswith("model.layers.0.") and len(shape) == 2), default=0) * 4
+    return max(t["weights"] + 2 * t["hidden"] + max(t["forward"], INT8_QUANTIZE_WORK * largest),
+               t["embed"] + t["hidden"])
+
+
+def streaming_reason(recipe: Recipe, info: CheckpointInfo, passes: list[Any] | None = None) -> str | None:
     """None when the build can stream its weights (compiler/streamed.py: no pass holds the model's weights,
-    package writes them one tensor at a time); else why it loads the whole model."""
+    package writes them one tensor at a time); else why it loads the whole model. A pass with a
+    `streaming_problem(info)` method (its options, e.g. quantize_awq's search: fit) may say why not too."""
     t = recipe.target
     cfg = info.config
     if (t.backend, t.device, t.dtype) != ("onnxruntime", "cpu", "float32") or t.matmul not in (None, "float32"):
@@ -242,6 +301,10 @@ def streaming_reason(recipe: Recipe, info: CheckpointInfo) -> str | None:
     others = [spec.name for spec in recipe.passes if spec.name not in STREAMING_PASSES]
     if others:
         return f"pass {others[0]!r} reads or changes the weights of the whole model"
+    for ps in passes or []:
+        problem = ps.streaming_problem(info) if hasattr(ps, "streaming_problem") else None
+        if problem is not None:
+            return problem
     return None
 
 
@@ -257,10 +320,11 @@ def estimate_pass_peaks(recipe: Recipe, info: CheckpointInfo, passes: list[Any],
     graph (1.5 x the lowered model).
 
     Streamed weights (compiler/streamed.py): the passes up to fuse add only their imports (the graph holds no
-    weights; quantize_gptq, and quantize_fp8 with static activations, hold one decoder layer and its calibration
-    working set while they run, `gptq_streamed_bytes` / `fp8_streamed_bytes`, and free it); package holds its per-tensor work (STREAM_WORK x the largest checkpoint
-    tensor in float32: the tensor, its quantization's temporaries, the packed result); its ONNX Runtime session
-    check of the written artifact does not prepack, so the file's weights stay memory-mapped and untouched.
+    weights; quantize_gptq, quantize_awq, quantize_fp8 with static activations and quantize_int8 with SmoothQuant
+    hold one decoder layer and its calibration working set while they run, `gptq_streamed_bytes` /
+    `awq_streamed_bytes` / `fp8_streamed_bytes` / `int8_streamed_bytes`, and free it); package holds its
+    per-tensor work (`package_streamed_bytes`); its ONNX Runtime session check of the written artifact does not
+    prepack, so the file's weights stay memory-mapped and untouched.
 
     The coefficients are measured (build.json's `memory`) on random Llamas of 25M-1B parameters
     (docs/architecture.md, "Build memory")."""
@@ -269,7 +333,6 @@ def estimate_pass_peaks(recipe: Recipe, info: CheckpointInfo, passes: list[Any],
     q_params, q_stored = _quantized_bytes(info, passes)
     onnx = weights - q_params * nbytes + q_stored  # the lowered model after lower_quant
     gate = recipe.quality.eval_data is not None
-    largest = max((math.prod(shape) for _dtype, shape in info.tensors.values()), default=0) * 4
     resident = START_OVERHEAD
     out: dict[str, int] = {}
     for ps in passes:
@@ -277,6 +340,12 @@ def estimate_pass_peaks(recipe: Recipe, info: CheckpointInfo, passes: list[Any],
             resident += TORCH_OVERHEAD + (0 if streamed else weights)
         elif ps.name == "quantize_gptq" and streamed:  # one layer at a time, its codes spilled to disk
             out[ps.name] = resident + gptq_streamed_bytes(recipe, info, ps.config)
+            continue
+        elif ps.name == "quantize_awq" and streamed:  # one layer at a time, its codes spilled to disk
+            out[ps.name] = resident + awq_streamed_bytes(recipe, info, ps.config)
+            continue
+        elif ps.name == "quantize_int8" and streamed:  # recorded; SmoothQuant reads one layer at a time
+            out[ps.name] = resident + int8_streamed_bytes(recipe, info, ps.config)
             continue
         elif ps.name == "quantize_fp8" and streamed:  # recorded; a static calibration reads one layer at a time
             out[ps.name] = resident + fp8_streamed_bytes(recipe, info, ps.config)
@@ -290,10 +359,28 @@ def estimate_pass_peaks(recipe: Recipe, info: CheckpointInfo, passes: list[Any],
         elif ps.name == "fuse":
             resident += ORT_OVERHEAD + (0 if streamed else int(1.5 * onnx))
         elif ps.name == "package" and streamed:
-            out[ps.name] = resident + STREAM_WORK * largest
+            out[ps.name] = resident + package_streamed_bytes(info, passes)
             continue
         out[ps.name] = resident
     return out
+
+
+def package_streamed_bytes(info: CheckpointInfo, passes: list[Any]) -> int:
+    """What a streamed package holds at its peak: STREAM_WORK x the largest checkpoint tensor it computes whole in
+    float32 (a quantized weight: the tensor, its quantization's temporaries, the packed result), or a chunk of
+    rows of a large float tensor it writes as the checkpoint holds it (the embedding, a kept lm_head:
+    streamed.written_in_chunks; the chunk read and converted, 2 x CHUNK_BYTES)."""
+    from compiler.quant.common import module_of
+    from compiler.streamed import CHUNK_BYTES
+
+    sizers = [ps for ps in passes if hasattr(ps, "estimated_bytes")]
+    worst = 0
+    for name, (_dtype, shape) in info.tensors.items():
+        f32 = math.prod(shape) * 4
+        module, kind = module_of(name, shape)
+        quantized = any(ps.estimated_bytes(module, shape, kind) is not None for ps in sizers)
+        worst = max(worst, STREAM_WORK * f32 if quantized or len(shape) < 2 or f32 <= CHUNK_BYTES else 2 * CHUNK_BYTES)
+    return worst
 
 
 def _needs_torch_model(recipe: Recipe, later: list[str], gate: bool) -> bool:

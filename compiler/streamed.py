@@ -86,13 +86,17 @@ def cached(key: Any, fn: Callable[[], Any]) -> Any:
 
 
 class Deferred:
-    """An array known by shape and dtype now and computed on demand by `fn` (cached under `key`)."""
+    """An array known by shape and dtype now and computed on demand by `fn` (cached under `key`). `rows(a, b)`,
+    where given, computes rows a..b alone (a checkpoint tensor read a slice at a time): save_model writes a large
+    such tensor in chunks of rows instead of whole."""
 
-    def __init__(self, shape: Iterable[int], dtype: Any, fn: Callable[[], np.ndarray], key: Any = None) -> None:
+    def __init__(self, shape: Iterable[int], dtype: Any, fn: Callable[[], np.ndarray], key: Any = None,
+                 rows: Callable[[int, int], np.ndarray] | None = None) -> None:
         self.shape = tuple(int(d) for d in shape)
         self.dtype = np.dtype(dtype)
         self._fn = fn
         self.key = key
+        self.rows = rows
 
     @property
     def ndim(self) -> int:
@@ -282,11 +286,22 @@ def _has_subgraph_initializers(graph: onnx.GraphProto) -> bool:
     return False
 
 
+# a streamed tensor of more bytes than this that can be read by rows (Deferred.rows: a float weight written as the
+# checkpoint holds it, e.g. the embedding or a kept lm_head) is written in chunks of about this size
+CHUNK_BYTES = 64 << 20
+
+
+def written_in_chunks(d: Deferred) -> bool:
+    """Whether save_model writes `d` a chunk of rows at a time (never holding it whole)."""
+    return d.rows is not None and d.ndim >= 1 and d.dtype in _PLAIN and d.size * d.dtype.itemsize > CHUNK_BYTES
+
+
 def save_model(model: onnx.ModelProto, path: Path, location: str, size_threshold: int = 1024) -> int:
     """Write `model` to `path` with its initializers in `location` beside it, computing each streamed one
     when its turn comes: the layout of onnx.save_model(save_as_external_data=True, all_tensors_to_one_file=True,
     convert_attribute=False). Returns the number of tensors computed. The streamed tensors are computed in the
-    graph's order on WRITE_THREADS threads, at most WRITE_THREADS ahead of the one being written."""
+    graph's order on WRITE_THREADS threads, at most WRITE_THREADS ahead of the one being written; a large one
+    that can be read by rows (`written_in_chunks`) is written CHUNK_BYTES of rows at a time when its turn comes."""
     if _has_subgraph_initializers(model.graph):
         raise ValueError("save_model: initializers inside subgraphs are not written by the streaming writer")
     data_path = path.parent / location
@@ -298,7 +313,7 @@ def save_model(model: onnx.ModelProto, path: Path, location: str, size_threshold
         def next_array() -> np.ndarray:
             while todo and len(ahead) <= WRITE_THREADS:
                 d = todo.popleft()
-                ahead.append(pool.submit(lambda d=d: np.ascontiguousarray(d.compute())))
+                ahead.append(pool.submit(lambda d=d: d if written_in_chunks(d) else np.ascontiguousarray(d.compute())))
             return ahead.popleft().result()
 
         try:
@@ -312,10 +327,28 @@ def save_model(model: onnx.ModelProto, path: Path, location: str, size_threshold
     return computed
 
 
+def _write_rows(d: Deferred, name: str, f: Any) -> int:
+    """`d`'s bytes appended to `f` a chunk of about CHUNK_BYTES of rows at a time; returns the bytes written."""
+    row_bytes = max(1, d.size // max(d.shape[0], 1)) * d.dtype.itemsize
+    step = max(1, CHUNK_BYTES // row_bytes)
+    written = 0
+    for a in range(0, d.shape[0], step):
+        b = min(d.shape[0], a + step)
+        chunk = np.ascontiguousarray(d.rows(a, b))  # type: ignore[misc]
+        if chunk.shape != (b - a, *d.shape[1:]) or chunk.dtype != d.dtype:
+            raise ValueError(f"streamed tensor {name!r}: rows {a}..{b} computed as {chunk.dtype}{list(chunk.shape)}, "
+                             f"declared {d.dtype}{[b - a, *d.shape[1:]]}")
+        f.write(memoryview(chunk).cast("B"))
+        written += chunk.nbytes
+        del chunk
+    return written
+
+
 def _write_initializers(model: onnx.ModelProto, f: Any, location: str, size_threshold: int,
-                        next_array: Callable[[], np.ndarray]) -> int:
+                        next_array: Callable[[], Any]) -> int:
     """save_model's loop: each initializer's bytes appended to `f` in the graph's order, a streamed one's from
-    `next_array()`. Returns the number of streamed tensors."""
+    `next_array()` (an array, or the Deferred itself where it is written in chunks of rows). Returns the number of
+    streamed tensors."""
     from onnx import TensorProto, helper, numpy_helper
 
     computed = 0
@@ -324,6 +357,20 @@ def _write_initializers(model: onnx.ModelProto, f: Any, location: str, size_thre
         d = deferred_of(t)
         if d is not None:
             arr = next_array()
+            if isinstance(arr, Deferred):  # large and read by rows: never held whole
+                if list(arr.shape) != list(t.dims) or helper.np_dtype_to_tensor_dtype(arr.dtype) != t.data_type:
+                    raise ValueError(f"streamed tensor {t.name!r} is {arr.dtype}{list(arr.shape)}, declared "
+                                     f"{list(t.dims)} type {t.data_type}")
+                computed += 1
+                offset = f.tell()
+                length = _write_rows(arr, t.name, f)
+                del t.external_data[:]
+                t.data_location = TensorProto.EXTERNAL
+                for key, v in (("location", location), ("offset", str(offset)), ("length", str(length))):
+                    entry = t.external_data.add()
+                    entry.key, entry.value = key, v
+                t.ClearField("raw_data")
+                continue
             if arr.dtype in _PLAIN and arr.dtype.byteorder in "=|<":  # from_array's raw_data is these bytes
                 dims, dtype = list(arr.shape), helper.np_dtype_to_tensor_dtype(arr.dtype)
                 raw = memoryview(arr).cast("B")  # written from the array itself: no second copy

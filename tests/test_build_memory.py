@@ -45,6 +45,23 @@ def test_lazy_weights_read_each_tensor_as_safetensors_does(small_llama: Path) ->
         got = lazy[name]
         assert got.dtype == t.dtype == torch.bfloat16 and got.shape == t.shape
         assert torch.equal(got, t), name
+        if t.ndim == 2:  # a range of rows read alone (package writes large float tensors so)
+            assert torch.equal(lazy.rows(name, 3, 11), t[3:11]), name
+
+
+def test_lazy_weights_answer_membership_without_reading(small_llama: Path, monkeypatch: pytest.MonkeyPatch
+                                                        ) -> None:
+    """`name in weights` (load_hf_state_dict asks it of every parameter) reads no tensor: Mapping's default
+    __contains__ would read each one whole, the whole checkpoint during capture."""
+    from compiler.checkpoint import LazyWeights
+
+    lazy = lazy_weights(inspect_checkpoint(small_llama))
+
+    def no_read(_self: LazyWeights, name: str) -> None:
+        raise AssertionError(f"read {name}")
+
+    monkeypatch.setattr(LazyWeights, "__getitem__", no_read)
+    assert "model.embed_tokens.weight" in lazy and "lm_head.weight" in lazy and "model.nothing" not in lazy
 
 
 def test_truncated_shard_is_named_with_its_tensor(small_llama: Path, tmp_path: Path) -> None:
@@ -235,16 +252,21 @@ CALIBRATION = f"calibration:\n  data: {ROOT / 'models' / 'pycode-llama-6m' / 'ca
 QUANTIZE_PASSES = {
     "rtn": "  - name: quantize_rtn\n",
     "gptq": GPTQ_PASS,
+    "awq": "  - name: quantize_awq\n",
+    "awq-sequential": "  - name: quantize_awq\n    options: {sequential: true, duo_scaling: both}\n",
+    "int8": "  - name: quantize_int8\n",
+    "int8-smoothquant": "  - name: quantize_int8\n    options: {smoothquant_alpha: 0.5, activations: per_tensor}\n",
     "fp8-dynamic": "  - name: quantize_fp8\n    options: {activations: dynamic, ignore: [lm_head]}\n",
     "fp8-static": "  - name: quantize_fp8\n    options: {weights: per_tensor, activations: static}\n",
     "fp8-static-embedding": "  - name: quantize_fp8\n    options: {activations: static, ignore: [lm_head]}\n",
 }
-CALIBRATED = ("gptq", "fp8-static", "fp8-static-embedding")
+CALIBRATED = ("gptq", "awq", "awq-sequential", "int8-smoothquant", "fp8-static", "fp8-static-embedding")
 
 
 @pytest.mark.parametrize("method", list(QUANTIZE_PASSES))
-def test_streamed_build_writes_the_bytes_of_a_loaded_build(tmp_path: Path, method: str) -> None:
-    """A random 2-layer Llama with a tied head to INT4 RTN or GPTQ or FP8 with fusion, once with its weights
+def test_streamed_build_writes_the_bytes_of_a_loaded_build(tmp_path: Path, method: str,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A random 2-layer Llama with a tied head to INT4 RTN, GPTQ or AWQ, INT8 or FP8 with fusion, once with its weights
     streamed into the artifact tensor by tensor and once with the whole model loaded: the same model.onnx and
     model.onnx.data, byte for byte (MatMulNBits packing, the fused gate/up and QKV concatenations, the float
     embedding and the head read from the embedding, all computed when written; GPTQ: each layer read from the
@@ -252,7 +274,16 @@ def test_streamed_build_writes_the_bytes_of_a_loaded_build(tmp_path: Path, metho
     FP8: per-channel codes and scales of the Linears and the embedding computed when written, with dynamic
     activations; static activation scales calibrated layer by layer, each layer read from the checkpoint and
     quantized for its calibration run, per tensor with the float embedding read for the hidden states, or per
-    channel with the embedding quantized first)."""
+    channel with the embedding quantized first; AWQ, parallel or sequential: each layer read, searched, folded,
+    rounded and spilled; INT8: each weight quantized when written, or with SmoothQuant, each layer read,
+    scaled, quantized and spilled). The float embedding and head are written a chunk of rows at a time (the
+    chunk made small here so that they take several)."""
+    from compiler import streamed
+
+    chunked: list[str] = []
+    write_rows = streamed._write_rows
+    monkeypatch.setattr(streamed, "CHUNK_BYTES", 100_000)
+    monkeypatch.setattr(streamed, "_write_rows", lambda d, name, f: chunked.append(name) or write_rows(d, name, f))
     ckpt = make_random_checkpoint(tmp_path / "ckpt", "LlamaForCausalLM", seed=3, hidden_size=256, head_dim=64,
                                   intermediate_size=704, tie_word_embeddings=True)
     out = {}
@@ -267,6 +298,8 @@ def test_streamed_build_writes_the_bytes_of_a_loaded_build(tmp_path: Path, metho
         out[mode] = build(recipe, progress=False, autotune=False)
     for f in ("model.onnx", "model.onnx.data"):
         assert (out["stream"] / f).read_bytes() == (out["load"] / f).read_bytes(), f
+    if not method.startswith("fp8") or method == "fp8-static":  # the embedding in float: 4096 x 256 x 4 bytes
+        assert "embed_tokens.weight" in chunked, chunked
     info = json.loads((out["stream"] / "build.json").read_text())
     assert info["weights"] == "streamed"
     stats = {r["name"]: r.get("stats", {}) for r in json.loads((out["stream"] / "manifest.json").read_text())["passes"]}
@@ -289,6 +322,17 @@ def test_streamed_build_writes_the_bytes_of_a_loaded_build(tmp_path: Path, metho
         types = {t.name: t.data_type for t in graph.graph.initializer}
         codes = [n for n, t in types.items() if t == onnx.TensorProto.FLOAT8E4M3FN and n.endswith("weight_quantized")]
         assert len(codes) == 2 * 7 + embedding and ("embed_tokens.weight_quantized" in codes) == embedding
+    elif method.startswith("int8"):  # recorded, or (SmoothQuant) quantized layer by layer and spilled
+        int8 = stats["quantize_int8"]
+        assert int8["quantized_count"] == 2 * 7 and int8["streamed"] == (0 if "smoothquant" in method else 2 * 7)
+        if "smoothquant" in method:
+            assert int8["smoothquant_scale_spread"] == loaded["quantize_int8"]["smoothquant_scale_spread"]
+        graph = onnx.load(str(out["stream"] / "model.onnx"), load_external_data=False)
+        assert sum(n.op_type in ("MatMulIntegerToFloat", "DynamicQuantizeMatMul") for n in graph.graph.node) >= 2 * 4
+    elif method.startswith("awq"):  # the same searches: the same scale ratios, clipped Linears and codes
+        awq = stats["quantize_awq"]
+        assert awq["streamed_layers"] == 2 and awq["quantized_count"] == 2 * 7 and awq["clipped_linears"] == 2 * 5
+        assert len(awq["scale_ratios"]) == 2 * 4 and awq["scale_ratios"] == loaded["quantize_awq"]["scale_ratios"]
     else:
         assert stats["quantize_gptq"]["streamed_layers"] == 2 and stats["quantize_gptq"]["quantized_count"] == 2 * 7
         # the same Hessians and rounding: the same reconstruction loss per Linear
@@ -340,6 +384,31 @@ def test_streamed_gptq_build_holds_one_layer_at_a_time(small_llama: Path, tmp_pa
     est = info["estimates"]["build_peak_by_pass"]["quantize_gptq"]
     assert 0.75 * got <= est <= 1.25 * got, (est, got)
     assert not list((tmp_path / "artifacts" / "mem-25m-gptq").glob(".*spill*"))  # the spilled codes removed
+
+
+@pytest.mark.parametrize(("method", "pass_name"), [("awq", "quantize_awq"), ("int8-smoothquant", "quantize_int8")])
+def test_streamed_layer_by_layer_build_stays_within_its_estimate(small_llama: Path, tmp_path: Path, method: str,
+                                                                 pass_name: str) -> None:
+    """A streamed INT4 AWQ build (grid searches) or INT8 build with SmoothQuant of a 25M-parameter Llama, sampled
+    from outside: under the streaming ceiling, within +-25 % of the dry run's estimate, and the quantize pass's
+    own peak within +-25 % of its estimate (one decoder layer in float32, the hidden states, AWQ's scale groups'
+    inputs and searches). AWQ's search 'fit' holds the whole model: the plan says so and loads it."""
+    _peak, _estimate, ceiling, artifact = measured_streamed_build(tmp_path, small_llama, "25m", 4 << 30,
+                                                                  method=method)
+    _edges, model = _fp32_bytes(SHAPES["25m"])
+    assert ceiling < FIXED_OVERHEAD + 3.5 * model
+    info = json.loads((artifact / "build.json").read_text())
+    assert info["weights"] == "streamed"
+    got = info["memory"][f"pass.{pass_name}"]
+    est = info["estimates"]["build_peak_by_pass"][pass_name]
+    assert 0.75 * got <= est <= 1.25 * got, (est, got)
+    assert not list((tmp_path / "artifacts" / f"mem-25m-{method}").glob(".*spill*"))  # the spilled codes removed
+    if method == "awq":
+        fit = (tmp_path / "mem-25m-awq.yaml").read_text().replace("quantize_awq\n    options: {",
+                                                                  "quantize_awq\n    options: {search: fit, ")
+        (tmp_path / "fit.yaml").write_text(fit.replace("name: mem-25m-awq", "name: fit"))
+        p = plan(tmp_path / "fit.yaml")
+        assert not p.streamed and "search 'fit'" in (p.loads_model_because or "") and "3 W" in p.loads_model_because
 
 
 @pytest.mark.parametrize("method", ["fp8", "fp8-static"])

@@ -112,7 +112,11 @@ def deferred_params(model: Any, weights: Any, dtype: Any) -> dict[str, tuple[int
         def read(name: str = name, src: str = src) -> Any:
             return torch_to_numpy(hf_value(cfg, name, weights[src], dtype), dtype)
 
-        out[name] = (p.data_ptr(), Deferred(tuple(p.shape), np_dtype, read))
+        def rows(a: int, b: int, name: str = name, src: str = src) -> Any:  # the same conversion, row by row
+            return torch_to_numpy(hf_value(cfg, name, weights.rows(src, a, b), dtype), dtype)
+
+        by_rows = hasattr(weights, "rows") and p.ndim >= 2 and tuple(weights.shape(src)) == tuple(p.shape)
+        out[name] = (p.data_ptr(), Deferred(tuple(p.shape), np_dtype, read, rows=rows if by_rows else None))
     return out
 
 

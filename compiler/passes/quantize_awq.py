@@ -8,6 +8,12 @@ round-to-nearest (and the clip search) by GPTQ on each scaled Linear: AWQ's scal
 rounding, a hybrid, not plain AWQ. `search: fit` replaces both searches: the same scales and
 (asymmetric) clipping ranges, fitted end to end against the float model's next-token distribution
 (compiler/quant/awq_fit.py); the stored form is still AWQ's (Q(W * s) rounded to nearest).
+
+With streamed weights (compiler/streamed.py) the grid searches hold one decoder layer at a time, as
+quantize_gptq does: the embedding read for the calibration hidden states, then each layer's weights read
+from the checkpoint, searched, folded (the norms, which capture read, take 1/s in memory), rounded, their
+INT4 codes spilled to disk and the weights dropped. `search: fit` and an `ignore` matching a decoder
+layer's Linear hold the whole model (`streaming_problem`).
 """
 
 from __future__ import annotations
@@ -73,6 +79,16 @@ def clip_source(g: ScaleGroupSpec, consumer: str) -> str:
     return consumer.rsplit(".", 1)[0] + ".gate_proj"
 
 
+@dataclass
+class _GridReport:
+    """What the grid searches report in the manifest, gathered over the layers."""
+
+    ratios: dict[str, float] = field(default_factory=dict)
+    skipped_groups: dict[str, str] = field(default_factory=dict)
+    unseen: list[str] = field(default_factory=list)  # Linears no calibration token reached (experts): to nearest
+    clipped: int = 0
+
+
 @dataclass(frozen=True)
 class AwqOptions:
     group_size: int = 128
@@ -132,12 +148,30 @@ class QuantizeAwqPass(Int4WeightSizes, Pass):
     def needs_calibration(self) -> bool:
         return True
 
+    def streaming_problem(self, info: Any) -> str | None:
+        """Why this pass cannot run on streamed weights (compiler/memory.py streaming_reason), or None."""
+        c = self.config
+        if c.search == "fit":
+            return ("quantize_awq search 'fit' fits every layer's scales and clipping at once, end to end against "
+                    "the float model's next-token distribution, so it holds the whole model: about 3 W (W the "
+                    "float32 weights: the model, the originals and each Linear's fake-quantized copy kept for the "
+                    "backward pass) plus every layer's activations over fit_batch_tokens tokens; search 'grid' "
+                    "streams one layer at a time")
+        layer = [n.removeprefix("model.").removesuffix(".weight") for n, (_dtype, shape) in info.tensors.items()
+                 if n.startswith("model.layers.0.") and n.endswith(".weight") and len(shape) == 2]
+        ignored = [n for n in layer if matches(n, c.ignore)]
+        if ignored:
+            return (f"quantize_awq ignores {ignored[0]}: a decoder layer's Linear left in float still takes its "
+                    "group's AWQ scales, a changed float weight that streaming cannot write")
+        return None
+
     def run(self, ctx: BuildContext) -> dict[str, Any]:
-        from compiler.quant import awq, int4
+        from compiler.quant import int4
         from compiler.quant.calibration import LayerRunner, float32_search, load_calibration
         from compiler.quant.state import (
             QuantizedWeight,
             begin,
+            parameters_read,
             progress_done,
             progress_task,
             quant_state,
@@ -153,87 +187,116 @@ class QuantizeAwqPass(Int4WeightSizes, Pass):
                              "the MLP's outputs (post-norm), so no norm precedes q/k/v or gate/up to fold AWQ's "
                              "scales into; use quantize_gptq or quantize_rtn")
         model = begin(ctx, self.name)
+        # streamed: parameter -> its checkpoint reader, for the parameters capture left unread
+        deferred: dict[str, tuple[int, Any]] = ctx.artifacts.get("deferred_params", {})
+
+        def streamed_under(prefix: str) -> list[str]:
+            return [n for n in deferred if n.startswith(prefix)]
+
         with float32_search(model):  # searches in float32 on the target's weights
             st = quant_state(ctx)
             targets = target_linears(model, c.ignore)
             cal = load_calibration(ctx, self.name)
             if c.search == "fit":
+                if deferred:  # compiler/memory.py streaming_reason refuses this recipe before the build
+                    raise BuildError(f"{self.name}: search 'fit' fits every layer at once and needs the whole model")
                 return self._run_fit(ctx, model, st, targets, cal)
-            runner = LayerRunner(model, cal.samples)
+            with parameters_read(model, deferred, streamed_under("embed_tokens.")):
+                runner = LayerRunner(model, cal.samples)
             bar, task = progress_task(ctx, "awq", len(model.layers))
-            ratios: dict[str, float] = {}
-            skipped_groups: dict[str, str] = {}
-            unseen: list[str] = []  # Linears no calibration token reached (experts): rounded to nearest
-            clipped = 0
+            report = _GridReport()
             for i, layer in enumerate(model.layers):
                 prefix = f"layers.{i}"
-                groups = scale_groups(layer)
-                names = {n for g in groups for n in (*g.consumers, *g.scaled, g.source)}
-                mods = {n: m for n, m in layer.named_modules() if n in names}
-                sources = {n for g in groups for n in (g.source, *(clip_source(g, c) for c in g.consumers))}
-                if not c.sequential:
-                    inputs = runner.capture(i, {n: mods[n] for n in sources})
-                    next_hidden = runner.outputs(i)  # the unquantized layer's output feeds the next layer
-                stored: dict[str, Any] = {}  # this layer's quantized Linears: name -> Int4Weight
-
-                for g in groups:
-                    # sequential: the group's input with the layer's earlier groups already quantized
-                    if c.sequential:
-                        mine = {g.source, *(clip_source(g, n) for n in g.consumers)}
-                        inputs = runner.capture(i, {n: mods[n] for n in mine})
-                    x = inputs[g.source]
-                    linears = [mods[n] for n in g.consumers]
-                    prev = layer.get_submodule(g.prev)
-                    tie = None
-                    scale = True
-                    if not any(t.shape[0] for t in x):  # an expert no calibration token was routed to
-                        skipped_groups[f"{prefix}.{g.name}"] = "no scaling: no calibration token reached it"
-                        scale = False
-                    else:
-                        scale, tie = self._fold(layer, prefix, g, linears[0].in_features, skipped_groups)
-                    quantize_mask = [f"{prefix}.{n}" in targets for n in g.consumers]
-                    if scale and any(quantize_mask):
-                        # the routers read the same input: scaled with the experts, never quantized
-                        group = awq.ScaleGroup(f"{prefix}.{g.name}", prev, linears + [mods[n] for n in g.scaled],
-                                               quantize_mask + [False] * len(g.scaled), x,
-                                               self._block(runner, layer, g.block), tie)
-                        sc, ratio, _ = awq.search_scale(group, c.group_size, c.n_grid, c.duo_scaling)
-                        awq.apply_scale(group, sc)
-                        for n in {clip_source(g, m) for m in g.consumers} - {g.source}:
-                            for t in inputs[n]:  # the routed experts' own rows, which apply_scale did not see
-                                t.div_(sc)
-                        ratios[group.name] = ratio
-                        if g.prev in stored:  # rows of an already quantized Linear / s: its scales / s
-                            stored[g.prev] = awq.rescale_rows(stored[g.prev], group.tied(sc)[1])
-                            write_weight(prev, stored[g.prev].dequantize())
-                    if c.sequential:
-                        clipped += self._quantize(prefix, g, mods, targets, inputs, stored, unseen)
-                if not c.sequential:
-                    for g in groups:
-                        clipped += self._quantize(prefix, g, mods, targets, inputs, stored, unseen)
-                for n, q in stored.items():
-                    method = "rtn" if f"{prefix}.{n}" in unseen else "awq"
-                    st.weights[f"{prefix}.{n}.weight"] = QuantizedWeight(f"{prefix}.{n}.weight", method, q)
-                if c.sequential:
-                    runner.advance(i)  # the quantized layer's output feeds the next layer
-                else:
-                    runner.hidden = next_hidden
+                with parameters_read(model, deferred, streamed_under(prefix + ".")):
+                    stored = self._quantize_layer(i, layer, runner, targets, report)
+                    for n, q in stored.items():
+                        name = f"{prefix}.{n}.weight"
+                        method = "rtn" if f"{prefix}.{n}" in report.unseen else "awq"
+                        # a streamed layer's codes go to disk: its weights are dropped with the layer
+                        st.weights[name] = QuantizedWeight(name, method,
+                                                           int4.SpilledInt4(name, q) if name in deferred else q)
                 if bar is not None:
                     bar.advance(task)
             progress_done(bar, task)
             # Linears outside the decoder layers' groups (an un-ignored lm_head): round to nearest
             for name, lin in targets.items():
                 if f"{name}.weight" not in st.weights:
+                    source = deferred.get(f"{name}.weight")
+                    if source is not None:  # streamed: rounded when package writes it
+                        st.weights[f"{name}.weight"] = QuantizedWeight(
+                            f"{name}.weight", "rtn", int4.StreamedInt4(f"{name}.weight", source[1], c.group_size,
+                                                                       False))
+                        continue
                     q = int4.quantize_rtn(lin.weight, c.group_size)
                     write_weight(lin, q.dequantize())
                     st.weights[f"{name}.weight"] = QuantizedWeight(f"{name}.weight", "rtn", q)
             st.weight_method = self.name
+            extra = {"streamed_layers": len(model.layers)} if deferred else {}
             return {"method": "awq", "bits": 4, "group_size": c.group_size, "symmetric": False,
                     "rounding": c.rounding, "search": "grid", "calibration": cal.record,
-                    "scale_ratios": dict(sorted(ratios.items())),
-                    "scale_groups_skipped": dict(sorted(skipped_groups.items())), "clipped_linears": clipped,
-                    "unseen_rtn": unseen,
-                    **stats_for(st, model, skipped_modules(model, st.weights, c.ignore))}
+                    "scale_ratios": dict(sorted(report.ratios.items())),
+                    "scale_groups_skipped": dict(sorted(report.skipped_groups.items())),
+                    "clipped_linears": report.clipped, "unseen_rtn": report.unseen,
+                    **stats_for(st, model, skipped_modules(model, st.weights, c.ignore)), **extra}
+
+    def _quantize_layer(self, i: int, layer: Any, runner: LayerRunner, targets: dict[str, Any],
+                        report: _GridReport) -> dict[str, Any]:
+        """Decoder layer i by the grid searches: each group's scales searched and folded, then its Linears
+        clipped and rounded; the runner then holds the next layer's input. Returns the layer's INT4 weights
+        by name within the layer."""
+        from compiler.quant import awq
+        from compiler.quant.state import write_weight
+
+        c = self.config
+        prefix = f"layers.{i}"
+        groups = scale_groups(layer)
+        names = {n for g in groups for n in (*g.consumers, *g.scaled, g.source)}
+        mods = {n: m for n, m in layer.named_modules() if n in names}
+        sources = {n for g in groups for n in (g.source, *(clip_source(g, c) for c in g.consumers))}
+        if not c.sequential:
+            inputs = runner.capture(i, {n: mods[n] for n in sources})
+            next_hidden = runner.outputs(i)  # the unquantized layer's output feeds the next layer
+        stored: dict[str, Any] = {}  # this layer's quantized Linears: name -> Int4Weight
+        for g in groups:
+            # sequential: the group's input with the layer's earlier groups already quantized
+            if c.sequential:
+                mine = {g.source, *(clip_source(g, n) for n in g.consumers)}
+                inputs = runner.capture(i, {n: mods[n] for n in mine})
+            x = inputs[g.source]
+            linears = [mods[n] for n in g.consumers]
+            prev = layer.get_submodule(g.prev)
+            tie = None
+            scale = True
+            if not any(t.shape[0] for t in x):  # an expert no calibration token was routed to
+                report.skipped_groups[f"{prefix}.{g.name}"] = "no scaling: no calibration token reached it"
+                scale = False
+            else:
+                scale, tie = self._fold(layer, prefix, g, linears[0].in_features, report.skipped_groups)
+            quantize_mask = [f"{prefix}.{n}" in targets for n in g.consumers]
+            if scale and any(quantize_mask):
+                # the routers read the same input: scaled with the experts, never quantized
+                group = awq.ScaleGroup(f"{prefix}.{g.name}", prev, linears + [mods[n] for n in g.scaled],
+                                       quantize_mask + [False] * len(g.scaled), x,
+                                       self._block(runner, layer, g.block), tie)
+                sc, ratio, _ = awq.search_scale(group, c.group_size, c.n_grid, c.duo_scaling)
+                awq.apply_scale(group, sc)
+                for n in {clip_source(g, m) for m in g.consumers} - {g.source}:
+                    for t in inputs[n]:  # the routed experts' own rows, which apply_scale did not see
+                        t.div_(sc)
+                report.ratios[group.name] = ratio
+                if g.prev in stored:  # rows of an already quantized Linear / s: its scales / s
+                    stored[g.prev] = awq.rescale_rows(stored[g.prev], group.tied(sc)[1])
+                    write_weight(prev, stored[g.prev].dequantize())
+            if c.sequential:
+                report.clipped += self._quantize(prefix, g, mods, targets, inputs, stored, report.unseen)
+        if not c.sequential:
+            for g in groups:
+                report.clipped += self._quantize(prefix, g, mods, targets, inputs, stored, report.unseen)
+        if c.sequential:
+            runner.advance(i)  # the quantized layer's output feeds the next layer
+        else:
+            runner.hidden = next_hidden
+        return stored
 
     def _run_fit(self, ctx: BuildContext, model: Any, st: Any, targets: dict[str, Any], cal: Any) -> dict[str, Any]:
         """search "fit": every layer's scale groups fitted at once (awq_fit.fit), then folded and rounded

@@ -80,6 +80,18 @@ class QuantizeInt8Pass(Pass):
     def needs_calibration(self) -> bool:
         return self.config.smoothquant_alpha is not None
 
+    def streaming_problem(self, info: Any) -> str | None:
+        """Why this pass cannot run on streamed weights (compiler/memory.py streaming_reason), or None."""
+        c = self.config
+        if c.smoothquant_alpha is None:
+            return None
+        scaled = [f"layers.0.{n}" for _g, _norm, consumers in SMOOTH_GROUPS for n in consumers]
+        ignored = [n for n in scaled if matches(n, c.ignore)]
+        if ignored:
+            return (f"quantize_int8 ignores {ignored[0]}: a Linear left in float still takes its group's "
+                    "SmoothQuant scales, a changed float weight that streaming cannot write")
+        return None
+
     def run(self, ctx: BuildContext) -> dict[str, Any]:
         from compiler.quant import int8
         from compiler.quant.state import (
@@ -96,6 +108,8 @@ class QuantizeInt8Pass(Pass):
         model = begin(ctx, self.name)
         st = quant_state(ctx)
         targets = target_linears(model, c.ignore)
+        # streamed: parameter -> its checkpoint reader, for the parameters capture left unread
+        deferred: dict[str, tuple[int, Any]] = ctx.artifacts.get("deferred_params", {})
         extra: dict[str, Any] = {}
         if c.smoothquant_alpha is not None:
             if ctx.checkpoint.config.post_norm:
@@ -105,11 +119,21 @@ class QuantizeInt8Pass(Pass):
                 raise BuildError(f"{self.name}: smoothquant_alpha scales one gate/up pair per layer; "
                                  f"{ctx.checkpoint.config.architecture} routes to experts: leave smoothquant_alpha "
                                  "unset (plain W8A8), or use quantize_awq / quantize_gptq / quantize_fp8")
-            extra = self._smooth(ctx, model, targets, c.smoothquant_alpha)
+            extra = self._smooth(ctx, model, targets, c.smoothquant_alpha, deferred)
+        streamed = 0
         for name, lin in targets.items():
-            q = int8.quantize_weight(lin.weight, c.activations, c.weight_range)
-            write_weight(lin, q.dequantize())
+            if f"{name}.weight" in st.weights:  # a streamed layer's, quantized while SmoothQuant read it
+                continue
+            source = deferred.get(f"{name}.weight")
+            if source is not None:  # streamed: quantized when package writes it
+                q: int8.Int8Weight = int8.StreamedInt8(f"{name}.weight", source[1], c.activations, c.weight_range)
+                streamed += 1
+            else:
+                q = int8.quantize_weight(lin.weight, c.activations, c.weight_range)
+                write_weight(lin, q.dequantize())
             st.weights[f"{name}.weight"] = QuantizedWeight(f"{name}.weight", "int8", q)
+        if deferred:
+            extra["streamed"] = streamed
         st.weight_method = self.name
         qmax = int8.WEIGHT_QMAX[c.weight_range]
         log.info("quantize_int8: %d Linear weights to INT8 (codes in [-%d, %d]), activations %s", len(targets),
@@ -124,41 +148,71 @@ class QuantizeInt8Pass(Pass):
                 "smoothquant_alpha": c.smoothquant_alpha, **extra,
                 **stats_for(st, model, skipped_modules(model, st.weights, c.ignore))}
 
-    def _smooth(self, ctx: BuildContext, model: Any, targets: dict[str, Any], alpha: float) -> dict[str, Any]:
-        """Fold SmoothQuant scales into each layer's norms and Linears, layer by layer on calibration data."""
-        import torch
-
-        from compiler.quant import int8
-        from compiler.quant.awq import ScaleGroup, apply_scale
+    def _smooth(self, ctx: BuildContext, model: Any, targets: dict[str, Any], alpha: float,
+                deferred: dict[str, tuple[int, Any]]) -> dict[str, Any]:
+        """Fold SmoothQuant scales into each layer's norms and Linears, layer by layer on calibration data.
+        Streamed (`deferred`): each layer's weights read from the checkpoint for the while, and its Linears
+        quantized from the scaled weights and spilled to disk before they are dropped."""
         from compiler.quant.calibration import LayerRunner, load_calibration
-        from compiler.quant.state import progress_done, progress_task
+        from compiler.quant.state import parameters_read, progress_done, progress_task
+
+        def streamed_under(prefix: str) -> list[str]:
+            return [n for n in deferred if n.startswith(prefix)]
 
         cal = load_calibration(ctx, self.name)
-        runner = LayerRunner(model, cal.samples)
+        with parameters_read(model, deferred, streamed_under("embed_tokens.")):
+            runner = LayerRunner(model, cal.samples)
         bar, task = progress_task(ctx, "smoothquant", len(model.layers))
         migration: dict[str, float] = {}
         for i, layer in enumerate(model.layers):
             prefix = f"layers.{i}"
-            first = {g[2][0]: layer.get_submodule(g[2][0]) for g in SMOOTH_GROUPS}
-            amax: dict[str, torch.Tensor] = {}
-
-            def sink(n: str, x: torch.Tensor, amax: dict[str, torch.Tensor] = amax) -> None:
-                m = x.abs().amax(dim=0)
-                amax[n] = m if n not in amax else torch.maximum(amax[n], m)
-
-            runner.capture(i, first, sink=sink)
-            for gname, norm, consumers in SMOOTH_GROUPS:
-                if not any(f"{prefix}.{n}" in targets for n in consumers):
-                    continue
-                linears = [layer.get_submodule(n) for n in consumers]
-                w_amax = torch.stack([lin.weight.detach().abs().amax(dim=0).to(torch.float32) for lin in linears]
-                                     ).amax(dim=0)
-                s = int8.smooth_scales(amax[consumers[0]], w_amax, alpha)
-                apply_scale(ScaleGroup(f"{prefix}.{gname}", layer.get_submodule(norm), linears,
-                                       [True] * len(linears), [], lambda b, x: x), s)
-                migration[f"{prefix}.{gname}"] = float(f"{float(s.max() / s.min()):.6g}")
-            runner.advance(i)
+            with parameters_read(model, deferred, streamed_under(prefix + ".")):
+                self._smooth_layer(i, layer, runner, targets, alpha, migration)
+                if deferred:
+                    self._spill_layer(ctx, prefix, targets, deferred)
             if bar is not None:
                 bar.advance(task)
         progress_done(bar, task)
         return {"calibration": cal.record, "smoothquant_scale_spread": dict(sorted(migration.items()))}
+
+    def _spill_layer(self, ctx: BuildContext, prefix: str, targets: dict[str, Any],
+                     deferred: dict[str, tuple[int, Any]]) -> None:
+        """A streamed layer's Linears to INT8 from their (scaled) weights in memory, codes spilled to disk."""
+        from compiler.quant import int8
+        from compiler.quant.state import QuantizedWeight, quant_state
+
+        c = self.config
+        st = quant_state(ctx)
+        for name, lin in targets.items():
+            if name.startswith(prefix + ".") and f"{name}.weight" in deferred:
+                q = int8.quantize_weight(lin.weight, c.activations, c.weight_range)
+                st.weights[f"{name}.weight"] = QuantizedWeight(f"{name}.weight", "int8", int8.SpilledInt8(q))
+
+    def _smooth_layer(self, i: int, layer: Any, runner: Any, targets: dict[str, Any], alpha: float,
+                      migration: dict[str, float]) -> None:
+        """SmoothQuant's scales of layer i from its calibration inputs, folded; the runner advances past it."""
+        import torch
+
+        from compiler.quant import int8
+        from compiler.quant.awq import ScaleGroup, apply_scale
+
+        prefix = f"layers.{i}"
+        first = {g[2][0]: layer.get_submodule(g[2][0]) for g in SMOOTH_GROUPS}
+        amax: dict[str, torch.Tensor] = {}
+
+        def sink(n: str, x: torch.Tensor, amax: dict[str, torch.Tensor] = amax) -> None:
+            m = x.abs().amax(dim=0)
+            amax[n] = m if n not in amax else torch.maximum(amax[n], m)
+
+        runner.capture(i, first, sink=sink)
+        for gname, norm, consumers in SMOOTH_GROUPS:
+            if not any(f"{prefix}.{n}" in targets for n in consumers):
+                continue
+            linears = [layer.get_submodule(n) for n in consumers]
+            w_amax = torch.stack([lin.weight.detach().abs().amax(dim=0).to(torch.float32) for lin in linears]
+                                 ).amax(dim=0)
+            s = int8.smooth_scales(amax[consumers[0]], w_amax, alpha)
+            apply_scale(ScaleGroup(f"{prefix}.{gname}", layer.get_submodule(norm), linears,
+                                   [True] * len(linears), [], lambda b, x: x), s)
+            migration[f"{prefix}.{gname}"] = float(f"{float(s.max() / s.min()):.6g}")
+        runner.advance(i)

@@ -28,11 +28,14 @@ multiply their column c by s[c]: the float model is unchanged, the activations a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 import torch
+
+from compiler.streamed import Deferred, cached, spill
 
 QMAX = 127  # activations: per-token codes in [-127, 127] around the zero point
 WEIGHT_QMAX = {"reduced": 64, "full": 127}  # weights: largest |code| per weight_range (see above)
@@ -72,6 +75,41 @@ def quantize_weight(w: torch.Tensor, activations: Activations = "per_token",
     q = torch.round(w / scale.view(-1, 1)).clamp(-qmax, qmax).to(torch.int8)
     return Int8Weight(codes=q.numpy().copy(), scales=scale.numpy().astype(np.float32).copy(), activations=activations,
                       qmax=qmax)
+
+
+class StreamedInt8(Int8Weight):
+    """INT8 of a weight that is not in memory (compiler/streamed.py): codes and scales are Deferreds of one
+    `quantize_weight` of `source` (the checkpoint tensor's reader), run when the artifact is written."""
+
+    def __init__(self, name: str, source: Deferred, activations: Activations, weight_range: WeightRange) -> None:
+        n, k = source.shape
+        self.key = ("int8", name, activations, weight_range)
+
+        def run() -> Int8Weight:
+            return quantize_weight(torch.from_numpy(source.compute()), activations, weight_range)
+
+        def part(field: str) -> Callable[[], np.ndarray]:
+            return lambda: getattr(cached(self.key, run), field)
+
+        super().__init__(codes=Deferred((n, k), np.int8, part("codes")),  # type: ignore[arg-type]
+                         scales=Deferred((n,), np.float32, part("scales")),  # type: ignore[arg-type]
+                         activations=activations, qmax=WEIGHT_QMAX[weight_range])
+
+    def dequantize(self) -> torch.Tensor:
+        raise TypeError("a streamed INT8 weight is computed when the artifact is written, not dequantized")
+
+
+class SpilledInt8(Int8Weight):
+    """An INT8 weight computed during the build (SmoothQuant's scaled weights of one streamed decoder layer) and
+    kept on disk, not in memory: codes and scales are written to the build's spill folder and read back when the
+    artifact is written."""
+
+    def __init__(self, q: Int8Weight) -> None:
+        super().__init__(codes=spill(q.codes), scales=spill(q.scales),  # type: ignore[arg-type]
+                         activations=q.activations, qmax=q.qmax)
+
+    def dequantize(self) -> torch.Tensor:
+        raise TypeError("a spilled INT8 weight is read back when the artifact is written, not dequantized")
 
 
 def quantize_per_token(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -453,7 +453,10 @@ class DqGemmToInt8:
 
     def rewrite(self, g: Graph, dq: onnx.NodeProto, w: Int8Weight) -> int:
         base = dq.input[0].removesuffix("_quantized")
-        wt = g.add_init(_tensor(np.ascontiguousarray(w.codes.T), g.unique(f"{base}_int8_kn")))
+        n, k = w.shape
+        kn = (w.codes.map(lambda c: np.ascontiguousarray(c.T), (k, n), np.int8) if isinstance(w.codes, Deferred)
+              else np.ascontiguousarray(w.codes.T))  # a streamed weight: transposed when written
+        wt = g.add_init(_tensor(kn, g.unique(f"{base}_int8_kn")))
         bs = g.add_init(_tensor(w.scales.astype(np.float32), g.unique(f"{base}_int8_scale")))
         fired = 0
         for u in g.consumers(dq.output[0]):
