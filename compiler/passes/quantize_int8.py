@@ -149,12 +149,14 @@ class QuantizeInt8Pass(Pass):
                 **stats_for(st, model, skipped_modules(model, st.weights, c.ignore))}
 
     def _smooth(self, ctx: BuildContext, model: Any, targets: dict[str, Any], alpha: float,
-                deferred: dict[str, tuple[int, Any]]) -> dict[str, Any]:
+                deferred: dict[str, tuple[int, Any]] | None = None) -> dict[str, Any]:
         """Fold SmoothQuant scales into each layer's norms and Linears, layer by layer on calibration data.
         Streamed (`deferred`): each layer's weights read from the checkpoint for the while, and its Linears
         quantized from the scaled weights and spilled to disk before they are dropped."""
         from compiler.quant.calibration import LayerRunner, load_calibration
         from compiler.quant.state import parameters_read, progress_done, progress_task
+
+        deferred = deferred or {}
 
         def streamed_under(prefix: str) -> list[str]:
             return [n for n in deferred if n.startswith(prefix)]
