@@ -310,7 +310,7 @@ def save_model(model: onnx.ModelProto, path: Path, location: str, size_threshold
     todo = deque(d for d in map(deferred_of, model.graph.initializer) if d is not None)
     ahead: deque[Future[np.ndarray]] = deque()
     with ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="streamed") as pool:
-        def next_array() -> np.ndarray:
+        def next_array() -> Any:  # an array, or a Deferred written in chunks of rows
             while todo and len(ahead) <= WRITE_THREADS:
                 d = todo.popleft()
                 ahead.append(pool.submit(lambda d=d: d if written_in_chunks(d) else np.ascontiguousarray(d.compute())))

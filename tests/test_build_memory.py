@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import onnx
 import pytest
@@ -386,6 +387,18 @@ def test_streamed_gptq_build_holds_one_layer_at_a_time(small_llama: Path, tmp_pa
     assert not list((tmp_path / "artifacts" / "mem-25m-gptq").glob(".*spill*"))  # the spilled codes removed
 
 
+def streamed_25m_build(tmp_path: Path, ckpt: Path, method: str) -> tuple[dict[str, Any], Path]:
+    """measured_streamed_build of the 25M shape with `method`: under the streaming ceiling, which is below what
+    a loaded build holds (3.5 x the float32 model more); (its build.json, which says the weights streamed, the
+    artifact)."""
+    _peak, _estimate, ceiling, artifact = measured_streamed_build(tmp_path, ckpt, "25m", 4 << 30, method=method)
+    _edges, model = _fp32_bytes(SHAPES["25m"])
+    assert ceiling < FIXED_OVERHEAD + 3.5 * model
+    info = json.loads((artifact / "build.json").read_text())
+    assert info["weights"] == "streamed"
+    return info, artifact
+
+
 @pytest.mark.parametrize(("method", "pass_name"), [("awq", "quantize_awq"), ("int8-smoothquant", "quantize_int8")])
 def test_streamed_layer_by_layer_build_stays_within_its_estimate(small_llama: Path, tmp_path: Path, method: str,
                                                                  pass_name: str) -> None:
@@ -393,12 +406,7 @@ def test_streamed_layer_by_layer_build_stays_within_its_estimate(small_llama: Pa
     from outside: under the streaming ceiling, within +-25 % of the dry run's estimate, and the quantize pass's
     own peak within +-25 % of its estimate (one decoder layer in float32, the hidden states, AWQ's scale groups'
     inputs and searches). AWQ's search 'fit' holds the whole model: the plan says so and loads it."""
-    _peak, _estimate, ceiling, artifact = measured_streamed_build(tmp_path, small_llama, "25m", 4 << 30,
-                                                                  method=method)
-    _edges, model = _fp32_bytes(SHAPES["25m"])
-    assert ceiling < FIXED_OVERHEAD + 3.5 * model
-    info = json.loads((artifact / "build.json").read_text())
-    assert info["weights"] == "streamed"
+    info, _artifact = streamed_25m_build(tmp_path, small_llama, method)
     got = info["memory"][f"pass.{pass_name}"]
     est = info["estimates"]["build_peak_by_pass"][pass_name]
     assert 0.75 * got <= est <= 1.25 * got, (est, got)
@@ -418,12 +426,7 @@ def test_streamed_fp8_build_stays_within_its_estimate(small_llama: Path, tmp_pat
     for quantize_fp8; with static activations (calibrated one decoder layer at a time) quantize_fp8's own peak
     within +-25 % of its estimate, and every Linear's input range measured. The same build with the whole
     model loaded adds about 3.5 x the float32 model."""
-    _peak, _estimate, ceiling, artifact = measured_streamed_build(tmp_path, small_llama, "25m", 4 << 30,
-                                                                  method=method)
-    _edges, model = _fp32_bytes(SHAPES["25m"])
-    assert ceiling < FIXED_OVERHEAD + 3.5 * model
-    info = json.loads((artifact / "build.json").read_text())
-    assert info["weights"] == "streamed"
+    info, artifact = streamed_25m_build(tmp_path, small_llama, method)
     est = info["estimates"]["build_peak_by_pass"]["quantize_fp8"]
     res = subprocess.run([*CLI, "build", str(tmp_path / f"mem-25m-{method}.yaml"), "--dry-run"], capture_output=True,
                          text=True, cwd=ROOT)
