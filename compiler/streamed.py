@@ -13,7 +13,9 @@ onnx.save_model writes (same order, offsets and size threshold), so a streamed b
 of the same recipe give the same bytes.
 
 A `Deferred` keyed by `key` shares its result with the other tensors of the same computation (INT4 codes,
-scales and zero points of one weight): the last few results are cached (`CACHE_ENTRIES`).
+scales and zero points of one weight): the last few results are cached (`CACHE_ENTRIES`). Such tensors carry
+the same `group`, so that save_model computes the group once, on one thread, and spends its other threads on
+the next groups.
 
 A result computed before package writes it (quantize_gptq's codes of one decoder layer, which need the
 calibration activations of that layer) is `spill`ed: written to a .npy file in the build's spill folder
@@ -43,8 +45,9 @@ if TYPE_CHECKING:  # pragma: no cover - onnx is imported where a graph is handle
 STREAMED_LOCATION = "optimize-streamed"
 # dtypes whose TensorProto raw_data is the array's little-endian bytes (numpy_helper.from_array)
 _PLAIN = tuple(np.dtype(t) for t in (np.float32, np.float16, np.float64, np.uint8, np.int8, np.int32, np.int64))
-CACHE_ENTRIES = 6  # computations kept (a fused QKV reads three weights, each for three tensors)
-# threads save_model computes streamed tensors on (numpy and torch release the GIL), each one tensor ahead
+CACHE_ENTRIES = 8  # computations kept (a fused QKV reads three weights, each for three tensors)
+# threads save_model computes streamed tensors on (numpy, torch and the C loops release the GIL), each one
+# computation (group) ahead
 WRITE_THREADS = 2
 
 _ids = itertools.count(1)
@@ -88,15 +91,17 @@ def cached(key: Any, fn: Callable[[], Any]) -> Any:
 class Deferred:
     """An array known by shape and dtype now and computed on demand by `fn` (cached under `key`). `rows(a, b)`,
     where given, computes rows a..b alone (a checkpoint tensor read a slice at a time): save_model writes a large
-    such tensor in chunks of rows instead of whole."""
+    such tensor in chunks of rows instead of whole. `group`: the cached computation this array is a part of
+    (the INT4 codes, scales and zero points of one weight share one), or None: its own."""
 
     def __init__(self, shape: Iterable[int], dtype: Any, fn: Callable[[], np.ndarray], key: Any = None,
-                 rows: Callable[[int, int], np.ndarray] | None = None) -> None:
+                 rows: Callable[[int, int], np.ndarray] | None = None, group: Any = None) -> None:
         self.shape = tuple(int(d) for d in shape)
         self.dtype = np.dtype(dtype)
         self._fn = fn
         self.key = key
         self.rows = rows
+        self.group = group
 
     @property
     def ndim(self) -> int:
@@ -116,11 +121,11 @@ class Deferred:
     def astype(self, dtype: Any) -> Deferred:
         if np.dtype(dtype) == self.dtype:
             return self
-        return Deferred(self.shape, dtype, lambda: self.compute().astype(dtype))
+        return Deferred(self.shape, dtype, lambda: self.compute().astype(dtype), group=self.group)
 
     def map(self, fn: Callable[[np.ndarray], np.ndarray], shape: Iterable[int], dtype: Any,
             key: Any = None) -> Deferred:
-        return Deferred(shape, dtype, lambda: fn(self.compute()), key)
+        return Deferred(shape, dtype, lambda: fn(self.compute()), key, group=self.group)
 
 
 def concatenate(parts: list[Any], axis: int) -> Deferred:
@@ -134,7 +139,8 @@ def concatenate(parts: list[Any], axis: int) -> Deferred:
     def run() -> np.ndarray:
         return np.concatenate([p.compute() if isinstance(p, Deferred) else p for p in parts], axis=ax)
 
-    return Deferred(shape, dtype, run)
+    groups = tuple(p.group for p in parts if isinstance(p, Deferred))  # a fused QKV's weights, scales: one group
+    return Deferred(shape, dtype, run, group=groups if all(g is not None for g in groups) else None)
 
 
 def reset() -> None:
@@ -300,29 +306,39 @@ def save_model(model: onnx.ModelProto, path: Path, location: str, size_threshold
     """Write `model` to `path` with its initializers in `location` beside it, computing each streamed one
     when its turn comes: the layout of onnx.save_model(save_as_external_data=True, all_tensors_to_one_file=True,
     convert_attribute=False). Returns the number of tensors computed. The streamed tensors are computed in the
-    graph's order on WRITE_THREADS threads, at most WRITE_THREADS ahead of the one being written; a large one
-    that can be read by rows (`written_in_chunks`) is written CHUNK_BYTES of rows at a time when its turn comes."""
+    graph's order on WRITE_THREADS threads, at most WRITE_THREADS computations ahead of the one being written: a
+    tensor whose group (`Deferred.group`) is already being computed is not given a thread of its own but read
+    from the cache when its turn comes. A large tensor that can be read by rows (`written_in_chunks`) is written
+    CHUNK_BYTES of rows at a time when its turn comes."""
     if _has_subgraph_initializers(model.graph):
         raise ValueError("save_model: initializers inside subgraphs are not written by the streaming writer")
     data_path = path.parent / location
     if data_path.exists():
         raise FileExistsError(f"External data file exists in {data_path}.")
     todo = deque(d for d in map(deferred_of, model.graph.initializer) if d is not None)
-    ahead: deque[Future[np.ndarray]] = deque()
+    # (tensor, its computation on a thread; None: a later part of a group computed for an earlier one)
+    ahead: deque[tuple[Deferred, Future[Any] | None]] = deque()
+
+    def value(d: Deferred) -> Any:  # an array, or the Deferred itself where it is written in chunks of rows
+        return d if written_in_chunks(d) else np.ascontiguousarray(d.compute())
+
     with ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="streamed") as pool:
-        def next_array() -> Any:  # an array, or a Deferred written in chunks of rows
-            while todo and len(ahead) <= WRITE_THREADS:
+        def next_array() -> Any:
+            while todo and sum(fut is not None for _, fut in ahead) <= WRITE_THREADS:
                 d = todo.popleft()
-                ahead.append(pool.submit(lambda d=d: d if written_in_chunks(d) else np.ascontiguousarray(d.compute())))
-            return ahead.popleft().result()
+                shared = d.group is not None and any(e.group == d.group for e, fut in ahead if fut is not None)
+                ahead.append((d, None if shared else pool.submit(value, d)))
+            d, fut = ahead.popleft()
+            return value(d) if fut is None else fut.result()
 
         try:
             with data_path.open("wb") as f:
                 computed = _write_initializers(model, f, location, size_threshold, next_array)
         finally:  # an error: nothing more is started
             todo.clear()
-            for fut in ahead:
-                fut.cancel()
+            for _, fut in ahead:
+                if fut is not None:
+                    fut.cancel()
     path.write_bytes(model.SerializeToString())
     return computed
 

@@ -64,8 +64,8 @@ class StreamedFp8(Fp8Weight):
         def part(field: str) -> Callable[[], np.ndarray]:
             return lambda: getattr(cached(self.key, run), field)
 
-        super().__init__(codes=Deferred((n, k), np.uint8, part("codes")),  # type: ignore[arg-type]
-                         scales=Deferred((n,) if per_channel else (), np.float32, part("scales")))  # type: ignore[arg-type]
+        super().__init__(codes=Deferred((n, k), np.uint8, part("codes"), group=self.key),  # type: ignore[arg-type]
+                         scales=Deferred((n,) if per_channel else (), np.float32, part("scales"), group=self.key))  # type: ignore[arg-type]
 
     def dequantize(self) -> torch.Tensor:
         raise TypeError("a streamed FP8 weight is computed when the artifact is written, not dequantized")

@@ -91,8 +91,8 @@ class StreamedInt8(Int8Weight):
         def part(field: str) -> Callable[[], np.ndarray]:
             return lambda: getattr(cached(self.key, run), field)
 
-        super().__init__(codes=Deferred((n, k), np.int8, part("codes")),  # type: ignore[arg-type]
-                         scales=Deferred((n,), np.float32, part("scales")),  # type: ignore[arg-type]
+        super().__init__(codes=Deferred((n, k), np.int8, part("codes"), group=self.key),  # type: ignore[arg-type]
+                         scales=Deferred((n,), np.float32, part("scales"), group=self.key),  # type: ignore[arg-type]
                          activations=activations, qmax=WEIGHT_QMAX[weight_range])
 
     def dequantize(self) -> torch.Tensor:
