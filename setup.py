@@ -1,5 +1,6 @@
-"""Build the runtime's C code: the engine core extension (plain C, CPython API + buffer protocol; no numpy
-headers) and the ONNX Runtime custom-op library with the CPU paged-attention kernel (plain C, ORT's C ABI).
+"""Build the C code: the engine core extension (plain C, CPython API + buffer protocol; no numpy headers),
+the ONNX Runtime custom-op library with the CPU paged-attention kernel (plain C, ORT's C ABI), and the
+compiler's INT4 round-to-nearest loop (plain C, CPython API + buffer protocol).
 
 `-ffp-contract=off`: no fused multiply-add, so the sampler's float arithmetic is the same IEEE
 operations as its numpy twin (runtime/core/reference.py) on every compiler and CPU.
@@ -16,6 +17,12 @@ setup(
             sources=["runtime/core/_core.c", "runtime/core/_scheduler.c", "runtime/core/_sampler.c"],
             depends=["runtime/core/_core.h"],
             extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra", "-ffp-contract=off", "-fno-trapping-math"],
+        ),
+        # quantize_rtn's hot loop (compiler/quant/int4.py); its twin is the torch reference, compared bit for bit
+        Extension(
+            "compiler.quant._int4",
+            sources=["compiler/quant/_int4.c"],
+            extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra", "-ffp-contract=off"],
         ),
         # Not a Python module: a custom-op library that ONNX Runtime loads (SessionOptions.
         # register_custom_ops_library); runtime/kernels/paged_attention_cpu.py finds and registers it.

@@ -25,6 +25,11 @@ import torch
 
 from compiler.streamed import Deferred, cached, spill
 
+try:  # quantize_rtn's C loop, built by `pip install -e .` (setup.py); without it the torch reference runs
+    from compiler.quant import _int4
+except ImportError:  # pragma: no cover - a source tree whose extensions were not built
+    _int4 = None
+
 MAXQ = 15  # 4 bits, unsigned codes
 SYMMETRIC_ZERO = 8  # the zero point of symmetric INT4: code - 8 is the signed value
 
@@ -165,14 +170,21 @@ class StreamedInt4(Int4Weight):
         def part(field: str) -> Callable[[], np.ndarray]:
             return lambda: getattr(cached(self.key, run), field)
 
-        super().__init__(codes=Deferred((n, k), np.uint8, part("codes")),  # type: ignore[arg-type]
-                         scales=Deferred((n, g), np.float32, part("scales")),  # type: ignore[arg-type]
-                         zeros=Deferred((n, g), np.uint8, part("zeros")),  # type: ignore[arg-type]
+        self._run: Callable[[], Int4Weight] | None = run
+        group = self.key
+        super().__init__(codes=Deferred((n, k), np.uint8, part("codes"), group=group),  # type: ignore[arg-type]
+                         scales=Deferred((n, g), np.float32, part("scales"), group=group),  # type: ignore[arg-type]
+                         zeros=Deferred((n, g), np.uint8, part("zeros"), group=group),  # type: ignore[arg-type]
                          group_size=group_size, symmetric=symmetric)
 
     def computed(self) -> Int4Weight:
         return Int4Weight(self.codes.compute(), self.scales.compute(), self.zeros.compute(),  # type: ignore[attr-defined]
                           self.group_size, self.symmetric)
+
+    def computed_once(self) -> Int4Weight:
+        """computed(), without caching the unpacked codes where this weight is quantized on the spot (its packed
+        form is what is cached and written)."""
+        return self._run() if self._run is not None else self.computed()
 
     def dequantize(self) -> torch.Tensor:
         raise TypeError("a streamed INT4 weight is computed when the artifact is written, not dequantized")
@@ -185,13 +197,33 @@ class SpilledInt4(StreamedInt4):
 
     def __init__(self, name: str, q: Int4Weight) -> None:
         self.key = ("spilled", name, q.group_size, q.symmetric)
+        self._run = None
         Int4Weight.__init__(self, codes=spill(q.codes), scales=spill(q.scales),  # type: ignore[arg-type]
                             zeros=spill(q.zeros), group_size=q.group_size, symmetric=q.symmetric)
 
 
 def quantize_rtn(w: torch.Tensor, group_size: int, max_val: torch.Tensor | None = None, symmetric: bool = False
                  ) -> Int4Weight:
-    """Round-to-nearest INT4 of W [out, in] (optionally with per-group clipping)."""
+    """Round-to-nearest INT4 of W [out, in] (optionally with per-group clipping). Without clipping, a finite
+    float32 weight on the CPU goes through the C loop (compiler/quant/_int4.c: one pass per group, the same
+    bits as quantize_rtn_reference, its twin); the rest through the reference."""
+    w = w.detach().to(torch.float32)
+    if max_val is None and _int4 is not None and w.device.type == "cpu" and w.ndim == 2:
+        x = w.contiguous().numpy()
+        out, cols = x.shape
+        g = num_groups(cols, group_size)
+        codes = np.empty((out, cols), np.uint8)
+        scales = np.empty((out, g), np.float32)
+        zeros = np.empty((out, g), np.uint8)
+        if _int4.rtn_int4(x, group_size, symmetric, codes, scales, zeros):
+            return Int4Weight(codes, scales, zeros, group_size, symmetric)
+    return quantize_rtn_reference(w, group_size, max_val, symmetric)
+
+
+def quantize_rtn_reference(w: torch.Tensor, group_size: int, max_val: torch.Tensor | None = None,
+                           symmetric: bool = False) -> Int4Weight:
+    """quantize_rtn in torch: the definition (and the C loop's twin), and the path for clipping and non-finite
+    weights."""
     w = w.detach().to(torch.float32)
     scale, zero = group_params(w, group_size, max_val, symmetric)
     out, cols = w.shape
@@ -239,10 +271,26 @@ def pack_matmulnbits(q: Int4Weight) -> tuple[np.ndarray, np.ndarray, np.ndarray]
         src = q
 
         def part(i: int) -> Callable[[], np.ndarray]:
-            return lambda: cached(key, lambda: pack_matmulnbits(src.computed()))[i]
+            return lambda: cached(key, lambda: pack_matmulnbits(src.computed_once()))[i]
 
-        return (Deferred((n, kb, bs // 2), np.uint8, part(0)), Deferred((n * kb,), np.float32, part(1)),  # type: ignore[return-value]
-                Deferred((n * ((kb + 1) // 2),), np.uint8, part(2)))
+        return (Deferred((n, kb, bs // 2), np.uint8, part(0), group=key),  # type: ignore[return-value]
+                Deferred((n * kb,), np.float32, part(1), group=key),
+                Deferred((n * ((kb + 1) // 2),), np.uint8, part(2), group=key))
+    scales = np.ascontiguousarray(q.scales.reshape(-1))
+    if _int4 is not None and bs % 2 == 0:  # the C loop (compiler/quant/_int4.c), the reference's bits
+        codes, zeros = np.ascontiguousarray(q.codes, np.uint8), np.ascontiguousarray(q.zeros, np.uint8)
+        b = np.empty((n, kb * (bs // 2)), np.uint8)
+        zp = np.empty((n, (kb + 1) // 2), np.uint8)
+        _int4.pack_nbits(codes, zeros, bs, b, zp)
+        return b.reshape(n, kb, bs // 2), scales, zp.reshape(-1)
+    return pack_matmulnbits_reference(q)
+
+
+def pack_matmulnbits_reference(q: Int4Weight) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """pack_matmulnbits in numpy (the C loop's twin) for an Int4Weight in memory."""
+    n, k = q.shape
+    bs = q.group_size
+    kb = num_groups(k, bs)
     padded = np.repeat(q.zeros, bs, axis=1)  # zero point everywhere, then the real codes
     padded[:, :k] = q.codes
     b = pack_nibbles(padded).reshape(n, kb, bs // 2)
