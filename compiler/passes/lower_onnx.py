@@ -4,6 +4,13 @@ Uses the torch.onnx dynamo exporter (graph already captured), runs its optimizer
 dead code), then strips the exporter's per-node metadata (stack traces with absolute paths, FX
 node text) so that the same recipe and checkpoint give byte-identical model files. A fused attention
 variant (select_attention) is translated to its contrib op (compiler/attention/lowering.py).
+
+The optimizer runs without one of onnxscript's default rewrite rules, SlicesSplit (two Slices of one
+value -> Split): it is a two-output pattern, tried against every pair of Slice nodes, so its cost grows
+with the square of the layer count (most of the optimizer's time at 1B, more at 8B), and it cannot apply
+to the graphs captured here (the rotary embedding's second half is sliced to the end of the axis, an
+`end` the rule does not accept). tests/test_lower_onnx_optimizer.py checks the lowered graph is the same
+with and without it.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import io
 import logging
 import warnings
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -59,6 +67,30 @@ def strip_metadata(model: Any) -> None:
         for node in fn.node:
             del node.metadata_props[:]
             node.doc_string = ""
+
+
+@contextlib.contextmanager
+def without_slice_split() -> Iterator[bool]:
+    """onnxscript's default rewrite rules without SlicesSplit while the exporter optimizes (module doc); yields
+    whether the rule was taken out (False, with a warning, where this onnxscript lays its rules out otherwise)."""
+    try:
+        from onnxscript import rewriter
+        from onnxscript.rewriter.rules.common import slice_split_rule
+
+        rules = rewriter._DEFAULT_REWRITE_RULES
+    except (ImportError, AttributeError):
+        rules = None
+    kept = None if rules is None else tuple(r for r in rules if r is not slice_split_rule)
+    if kept is None or len(kept) == len(rules):
+        log.warning("onnxscript's SlicesSplit rewrite rule was not found: the exporter's optimizer runs every "
+                    "default rule (slower for models with many layers, the same graph)")
+        yield False
+        return
+    rewriter._DEFAULT_REWRITE_RULES = kept
+    try:
+        yield True
+    finally:
+        rewriter._DEFAULT_REWRITE_RULES = rules
 
 
 def defer_initializers(ir_model: Any, deferred: dict[str, tuple[int, Any]], max_loaded: int) -> int:
@@ -108,7 +140,7 @@ def lower_exported(exported: Any, num_layers: int, opset: int = 21, optimize: bo
     extra = {"custom_translation_table": table} if table else {}
     chatter = io.StringIO()  # the exporter prints its progress; keep it for the debug log
     try:
-        with contextlib.redirect_stdout(chatter), warnings.catch_warnings():
+        with contextlib.redirect_stdout(chatter), warnings.catch_warnings(), without_slice_split():
             warnings.simplefilter("ignore", FutureWarning)
             logging.getLogger("torch.onnx").setLevel(logging.ERROR)
             program = torch.onnx.export(
