@@ -17,6 +17,7 @@ scale = 2 * max|w| / 15, so code - 8 is a signed int4 in [-8, 7]: the form Tenso
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,10 +26,13 @@ import torch
 
 from compiler.streamed import Deferred, cached, spill
 
-try:  # quantize_rtn's C loop, built by `pip install -e .` (setup.py); without it the torch reference runs
+try:  # the C loops of quantize_rtn and pack_matmulnbits, built by `pip install -e .` (setup.py)
     from compiler.quant import _int4
 except ImportError:  # pragma: no cover - a source tree whose extensions were not built
     _int4 = None
+    logging.getLogger(__name__).warning(
+        "compiler.quant._int4 is not built (run `pip install -e .`): INT4 quantization and packing run the "
+        "torch/numpy reference, about 10x slower, with the same bits")
 
 MAXQ = 15  # 4 bits, unsigned codes
 SYMMETRIC_ZERO = 8  # the zero point of symmetric INT4: code - 8 is the signed value
