@@ -1,6 +1,6 @@
 """Build the C code: the engine core extension (plain C, CPython API + buffer protocol; no numpy headers),
 the ONNX Runtime custom-op library with the CPU paged-attention kernel (plain C, ORT's C ABI), and the
-compiler's INT4 round-to-nearest loop (plain C, CPython API + buffer protocol).
+compiler's INT4 loops, round-to-nearest and MatMulNBits packing (plain C, CPython API + buffer protocol).
 
 `-ffp-contract=off`: no fused multiply-add, so the sampler's float arithmetic is the same IEEE
 operations as its numpy twin (runtime/core/reference.py) on every compiler and CPU.
@@ -18,7 +18,8 @@ setup(
             depends=["runtime/core/_core.h"],
             extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra", "-ffp-contract=off", "-fno-trapping-math"],
         ),
-        # quantize_rtn's hot loop (compiler/quant/int4.py); its twin is the torch reference, compared bit for bit
+        # quantize_rtn's and pack_matmulnbits' hot loops (compiler/quant/int4.py); their twins are the torch/numpy
+        # references, compared bit for bit (tests/test_quant_int4_c.py)
         Extension(
             "compiler.quant._int4",
             sources=["compiler/quant/_int4.c"],
