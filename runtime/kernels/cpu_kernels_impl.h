@@ -249,6 +249,32 @@ static inline void chunk_rows(const Job *job, int64_t seq, int64_t kv_head, int6
     }
 }
 
+/* Ask for the pool rows of keys j0 .. j0 + nk - 1 (K and V, every cache line of each row) ahead of their
+ * use: a decode step reads each sequence's K/V once, from memory rather than cache, and one KV head's rows
+ * are KVH * D elements apart in the pool, so the hardware prefetcher alone leaves the loads waiting. The
+ * rows asked for are the pool's (int8 pools: the codes; a step's own keys there are read from the step,
+ * and asking for their pool rows is harmless: a prefetch never faults). */
+#define PF_NEXT(left) ((left) < VL ? (left) : VL)
+static inline void prefetch_rows(const Job *job, int64_t seq, int64_t kv_head, int64_t j0, int64_t nk) {
+    const int64_t BS = job->block_size, KVH = job->kv_heads, D = job->head_dim;
+    const int32_t *table = job->bt + seq * job->max_blocks;
+    const int64_t esize = job->kc8 ? 1 : 4, bytes = D * esize;
+    const char *kbase = job->kc8 ? (const char *)job->kc8 : (const char *)job->kc;
+    const char *vbase = job->kc8 ? (const char *)job->vc8 : (const char *)job->vc;
+    int64_t blk = j0 / BS, off = j0 % BS;
+    for (int64_t jj = 0; jj < nk; jj++) {
+        const int64_t row = (((int64_t)table[blk] * BS + off) * KVH + kv_head) * D * esize;
+        for (int64_t b = 0; b < bytes; b += 64) {
+            __builtin_prefetch(kbase + row + b, 0, 3);
+            __builtin_prefetch(vbase + row + b, 0, 3);
+        }
+        if (++off == BS) {
+            off = 0;
+            blk++;
+        }
+    }
+}
+
 /* Many query rows (prefill tiles): VL rows at a time in the vector lanes. Q is transposed once per group
  * (Qt [D][VL]), so a key chunk's scores are s[jj] = sum_d Qt[d] * k_jj[d] (a broadcast key element per
  * multiply-add, no transposition of keys), the softmax runs per lane with no horizontal reductions, and
@@ -279,6 +305,7 @@ static inline __attribute__((always_inline)) void attend_lanes(const Job *job, c
         for (int64_t j0 = k_begin; j0 <= p_max; j0 += VL) {
             const int64_t nk = (p_max - j0 + 1) < VL ? (p_max - j0 + 1) : VL;
             chunk_rows(job, it.seq, it.kv_head, j0, nk, krow, vrow, kbuf, vbuf);
+            if (j0 + VL <= p_max) prefetch_rows(job, it.seq, it.kv_head, j0 + VL, PF_NEXT(p_max - j0 - VL + 1));
             vf sc[VL];
             for (int64_t jj = 0; jj < VL; jj++) sc[jj] = (vf){0};
             for (int64_t d = 0; d < D; d++) {
@@ -388,6 +415,7 @@ static void attention_item(void *arg, size_t index) {
     for (int64_t j0 = k_begin; j0 <= p_last; j0 += VL) {
         const int64_t nk = (p_last - j0 + 1) < VL ? (p_last - j0 + 1) : VL;
         chunk_rows(job, it.seq, it.kv_head, j0, nk, krow, vrow, kbuf, vbuf);
+        if (j0 + VL <= p_last) prefetch_rows(job, it.seq, it.kv_head, j0 + VL, PF_NEXT(p_last - j0 - VL + 1));
         for (int64_t r0 = 0; r0 < R; r0 += NR) {
             const int64_t nr = R - r0 < NR ? R - r0 : NR;
             /* rows r0..r0+nr: skip when no key of this chunk is visible to any of them */
