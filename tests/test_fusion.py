@@ -142,7 +142,7 @@ def test_random_model_fusion_counts(random_pair: tuple[str, Path, Path, Path, di
     norms = 2 * layers + 1 + (2 * layers if variant == "qwen3-qknorm" else 0)  # + q_norm/k_norm per layer
     assert stats["fusions"] == {"rms_norm": norms, "skip_rms_norm": 2 * layers - 1, "qkv": layers,
                                 "gate_up": layers, "rotary": 2 * layers, "rotary_attention": 0,
-                                "quick_gelu": layers, "swiglu": 0, "quantize_rows": 0}
+                                "quick_gelu": layers, "swiglu": 0, "quantize_rows": 0, "row_scale": 0}
     # rotary_attention and swiglu: graphs that use the C library (paged_cpu) only (test_paged_cpu_build)
     assert "not_fused" not in stats
     ops = stats["op_types"]
@@ -250,6 +250,36 @@ def test_int8_row_quantization_as_one_node_is_exact(tmp_path: Path) -> None:
     np.testing.assert_array_equal(got, base)
 
 
+def test_int8_row_scale_folded_into_silu_mul_is_exact(tmp_path: Path) -> None:
+    """SiluMul(x, s) multiplies each row by its scale with the same float32 products as the Mul it replaces:
+    the logits equal, bit for bit, those of the same graph with the Mul put back before each SiluMul."""
+    ckpt = make_random_checkpoint(tmp_path / "ckpt", "LlamaForCausalLM", seed=27)
+    fused = build_int8_pair(tmp_path, ckpt, ["gate_up", "quick_gelu", "swiglu", "quantize_rows", "row_scale"])
+    stats = fuse_stats(fused)
+    assert stats["fusions"]["swiglu"] == 2 and stats["fusions"]["row_scale"] == 2  # each layer's gate/up
+    model = onnx.load(fused / "model.onnx", load_external_data=False)
+    scaled = [n for n in model.graph.node if n.op_type == "SiluMul"]
+    assert len(scaled) == 2 and all(len(n.input) == 2 for n in scaled)
+    producers = {o: n for n in model.graph.node for o in n.output}
+    assert all(producers[n.input[1]].op_type == "QuantizeRows" for n in scaled)
+    twin = tmp_path / "twin"
+    shutil.copytree(fused, twin)
+    for n in scaled:  # SiluMul(x, s) -> SiluMul(Mul(x, s))
+        x, s = n.input
+        mul = onnx.helper.make_node("Mul", [x, s], [f"{n.name}_scaled_input"], name=f"{n.name}_scale")
+        model.graph.node.insert(list(model.graph.node).index(n), mul)
+        del n.input[:]
+        n.input.append(mul.output[0])
+    onnx.save(model, twin / "model.onnx")
+    ids = prompts_of([70], seed=1)[0]
+    cuts = [13, 40, 41, 70]
+    got = chunked_logits(LLMEngine(fused), ids, cuts)
+    base = chunked_logits(LLMEngine(twin, verify=False), ids, cuts)
+    np.testing.assert_array_equal(got, base)
+    unfused = chunked_logits(LLMEngine(tmp_path / "unfused", verify=False), ids, cuts)
+    assert np.abs(got - unfused).max() < 1e-4  # SiluMul's exp against MLAS's logistic: float rounding only
+
+
 # -- the demo model, through the build -------------------------------------------------------------
 
 
@@ -270,7 +300,8 @@ def test_demo_fusion_stats_in_manifest(demo_pair: tuple[Path, Path]) -> None:
     # 6 layers: 13 RMSNorms (2 per layer + final), 11 of them after a residual Add (all but layer 0's
     # input norm and the final norm, which reads the logits rows), q and k rotated in each layer.
     assert stats["fusions"] == {"rms_norm": 13, "skip_rms_norm": 11, "qkv": 6, "gate_up": 6, "rotary": 12,
-                                "rotary_attention": 0, "quick_gelu": 6, "swiglu": 0, "quantize_rows": 0}
+                                "rotary_attention": 0, "quick_gelu": 6, "swiglu": 0, "quantize_rows": 0,
+                                "row_scale": 0}
     assert stats["rules"] == list(RULES) and stats["disabled"] == []
     assert stats["nodes_before"] > stats["nodes_after"]
     assert stats["op_types"]["SimplifiedLayerNormalization"] == 2
@@ -327,12 +358,12 @@ def test_fuse_options_in_recipe(tmp_path: Path) -> None:
     from compiler.recipe import RecipeError
 
     assert FuseOptions(disable=["rotary"]).enabled() == ["rms_norm", "skip_rms_norm", "qkv", "gate_up", "rotary_attention",
-                                                      "quick_gelu", "swiglu", "quantize_rows"]
+                                                      "quick_gelu", "swiglu", "quantize_rows", "row_scale"]
     assert FuseOptions(rules=["qkv", "rotary"]).enabled() == ["qkv", "rotary"]
     ok = write_recipe(tmp_path, DEMO_MODEL, name="ok", passes=(
         "  - name: capture\n  - name: lower_onnx\n  - name: fuse\n    options: {disable: [rotary]}\n"
         "  - name: package\n"))
-    assert plan(ok).passes[2].config.enabled()[-1] == "quantize_rows"
+    assert plan(ok).passes[2].config.enabled()[-1] == "row_scale"
     bad = write_recipe(tmp_path, DEMO_MODEL, name="bad", passes=(
         "  - name: capture\n  - name: lower_onnx\n  - name: fuse\n    options: {rules: [qkv, geglu]}\n"
         "  - name: package\n"))

@@ -513,6 +513,55 @@ def test_silu_mul_against_float64_and_the_three_nodes(rows: int, half: int, magn
     np.testing.assert_allclose(got, ort_nodes, rtol=1e-5, atol=max(tail, 1e-30))
 
 
+def scaled_silu_mul_models() -> tuple[bytes, bytes]:
+    """(SiluMul(x, s), the two nodes it replaces: SiluMul(Mul(x, s))), s [T, 1] one scale per row."""
+    f = helper.make_tensor_value_info
+    io = ([f("x", TensorProto.FLOAT, ["T", "W"]), f("s", TensorProto.FLOAT, ["T", 1])],
+          [f("y", TensorProto.FLOAT, ["T", "I"])])
+    op = helper.make_graph([helper.make_node("SiluMul", ["x", "s"], ["y"], domain=pk.DOMAIN)], "scaled", *io)
+    two = helper.make_graph([helper.make_node("Mul", ["x", "s"], ["xs"]),
+                             helper.make_node("SiluMul", ["xs"], ["y"], domain=pk.DOMAIN)], "two", *io)
+    opsets = [helper.make_opsetid("", 21), helper.make_opsetid(pk.DOMAIN, 1)]
+    return (helper.make_model(op, opset_imports=opsets).SerializeToString(),
+            helper.make_model(two, opset_imports=opsets).SerializeToString())
+
+
+@pytest.mark.usefixtures("cpu_path")
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rows=st.integers(0, 300), half=st.sampled_from([1, 5, 16, 37, 2048]),
+       magnitude=st.sampled_from([1e-3, 1.0, 30.0]), seed=st.integers(0, 2**31 - 1))
+def test_silu_mul_with_a_row_scale_equals_the_mul_it_replaces(rows: int, half: int, magnitude: float,
+                                                              seed: int) -> None:
+    """SiluMul(x, s) is bit-identical to ONNX Runtime's Mul(x, s) followed by SiluMul (compiler/fusion/
+    row_scale.py relies on it), on rows inline and on the thread pool, whole and partial vectors; scales
+    as QuantizeRows writes them (|x| max / 127, at least 1e-12) and a few extreme ones."""
+    rng = np.random.default_rng(seed)
+    x = rng.integers(-127, 128, size=(rows, 2 * half)).astype(np.float32) * np.float32(magnitude)
+    s = (np.abs(rng.standard_normal((rows, 1))) / 127 + 1e-12).astype(np.float32)
+    if rows:
+        s[0, 0] = np.float32(1e-12)
+        s[-1, 0] = np.float32(3.0e3)
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 2
+    pk.register(so)
+    op, two = scaled_silu_mul_models()
+    got = ort.InferenceSession(op, so, providers=["CPUExecutionProvider"]).run(None, {"x": x, "s": s})[0]
+    want = ort.InferenceSession(two, so, providers=["CPUExecutionProvider"]).run(None, {"x": x, "s": s})[0]
+    assert got.shape == (rows, half)
+    np.testing.assert_array_equal(got, want)
+    xs = x.astype(np.float64) * s  # and against float64 within SiluMul's own 1e-5
+    g, u = (x * s)[:, :half].astype(np.float64), xs[:, half:]
+    np.testing.assert_allclose(got, g / (1.0 + np.exp(-np.clip(g, -700, 700))) * u, rtol=1e-5, atol=1e-30)
+
+
+def test_silu_mul_refuses_a_scale_that_is_not_one_per_row() -> None:
+    so = ort.SessionOptions()
+    pk.register(so)
+    sess = ort.InferenceSession(scaled_silu_mul_models()[0], so, providers=["CPUExecutionProvider"])
+    with pytest.raises(Exception, match="one value per row"):
+        sess.run(None, {"x": np.zeros((3, 8), np.float32), "s": np.ones((2, 1), np.float32)})
+
+
 def test_silu_mul_refuses_an_odd_width() -> None:
     so = ort.SessionOptions()
     pk.register(so)

@@ -26,6 +26,7 @@ IMPLEMENTATION = {
     "quick_gelu": "compiler/fusion/activation.py",
     "swiglu": "compiler/fusion/swiglu.py (optimize.SiluMul, runtime/kernels/paged_attention_cpu.c)",
     "quantize_rows": "compiler/fusion/quantize_rows.py (optimize.QuantizeRows, runtime/kernels/paged_attention_cpu.c)",
+    "row_scale": "compiler/fusion/row_scale.py (optimize.SiluMul's scale input, runtime/kernels/paged_attention_cpu.c)",
     "matmul_bf16": "compiler/fusion/matmul_bf16.py (optimize.MatMulBf16, runtime/kernels/paged_attention_cpu.c)",
 }
 # ONNX Runtime registers SimplifiedLayerNormalization in the default domain (opset 1): onnx's
@@ -81,6 +82,7 @@ def fuse_model(model: onnx.ModelProto, rules: Sequence[str], rope_cache_rows: in
     from compiler.fusion.projections import fuse_projections
     from compiler.fusion.quantize_rows import fuse_quantize_rows
     from compiler.fusion.rotary import fuse_rotary
+    from compiler.fusion.row_scale import fuse_row_scale
     from compiler.fusion.swiglu import fuse_swiglu
 
     for rule in ("qkv", "gate_up"):
@@ -97,6 +99,8 @@ def fuse_model(model: onnx.ModelProto, rules: Sequence[str], rope_cache_rows: in
         reports["swiglu"] = fuse_swiglu(g)
     if "quantize_rows" in enabled:
         reports["quantize_rows"] = fuse_quantize_rows(g)
+    if "row_scale" in enabled:
+        reports["row_scale"] = fuse_row_scale(g)
     bf16_bytes: dict[str, int] = {}
     if matmul_bf16:
         from compiler.fusion.matmul_bf16 import fuse_matmul_bf16

@@ -66,6 +66,7 @@ typedef struct {
 
 typedef struct {
     const float *x;
+    const float *s; /* one scale per row of x, applied first (x * s in float32), or NULL */
     float *y;
     int64_t I, rows_per_item, rows;
 } SmJob;

@@ -513,12 +513,18 @@ static void silu_mul_item(void *arg, size_t index) {
         const float *g = job->x + r * 2 * I, *u = g + I;
         float *y = job->y + r * I;
         int64_t k = 0;
-        for (; k + VL <= I; k += VL) vstore(y + k, vsilu_mul(vload(g + k), vload(u + k)));
+        if (job->s) { /* x * s first, each product rounded to float32 (a multiply, never fused into an FMA) */
+            const vf sv = vsplat(job->s[r]);
+            for (; k + VL <= I; k += VL) vstore(y + k, vsilu_mul(vload(g + k) * sv, vload(u + k) * sv));
+        } else {
+            for (; k + VL <= I; k += VL) vstore(y + k, vsilu_mul(vload(g + k), vload(u + k)));
+        }
         if (k < I) { /* the last partial vector, through zero-padded lanes: the same arithmetic */
             float tg[VL] = {0}, tu[VL] = {0}, ty[VL];
             memcpy(tg, g + k, sizeof(float) * (size_t)(I - k));
             memcpy(tu, u + k, sizeof(float) * (size_t)(I - k));
-            vstore(ty, vsilu_mul(vload(tg), vload(tu)));
+            const vf sv = vsplat(job->s ? job->s[r] : 1.0f);
+            vstore(ty, vsilu_mul(vload(tg) * sv, vload(tu) * sv));
             memcpy(y + k, ty, sizeof(float) * (size_t)(I - k));
         }
     }

@@ -638,7 +638,9 @@ static OrtStatus *matmul_bf16_compute(const Kernel *kern, OrtKernelContext *ctx)
 /* ---- optimize.SiluMul ----------------------------------------------------------------------------- */
 
 /* y [.., I] = silu(x[.., :I]) * x[.., I:] for x [.., 2I]: a SwiGLU MLP's Split + QuickGelu(alpha 1) + Mul in
- * one pass over the fused gate/up projection's output (compiler/fusion/swiglu.py). silu(g) = g * sigmoid(g)
+ * one pass over the fused gate/up projection's output (compiler/fusion/swiglu.py). With the optional second
+ * input s [.., 1], x's row r is first multiplied by s[r] in float32 (x * s rounded, as the Mul by a per-token
+ * INT8 GEMM's row scale that it replaces computes it: compiler/fusion/row_scale.py). silu(g) = g * sigmoid(g)
  * with sigmoid(g) = 1 / (1 + e) for g >= 0 and e / (1 + e) below, e = exp(-|g|) (vexp2_neg, ~2 ulp), so
  * neither branch overflows. Rows of a decode step run inline; long prefills split into items of 64K
  * elements on ONNX Runtime's pool. */
@@ -658,11 +660,26 @@ static OrtStatus *silu_mul_compute(const Kernel *kern, OrtKernelContext *ctx) {
         out_dims[i] = x.dims[i];
     }
     out_dims[x.rank - 1] = last / 2;
+    /* the optional row scale: one float32 per row of x ([.., 1], QuantizeRows' scale output) */
+    const float *row_scale = NULL;
+    size_t count = 0;
+    if ((st = ORT_FN(g_api, KernelContext_GetInputCount, OrtKernelContextGetInputCountFn)(ctx, &count))) return st;
+    if (count > 1) {
+        Tensor s;
+        if ((st = read_input(ctx, 1, &s))) return st;
+        if (s.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) FAIL("scale must be float32");
+        int64_t n = 1;
+        for (size_t i = 0; i < s.rank; i++) n *= s.dims[i];
+        if (s.rank != x.rank || s.dims[s.rank - 1] != 1 || n != rows)
+            FAIL("scale must hold one value per row of x ([.., 1], %lld rows), got %lld values", (long long)rows,
+                 (long long)n);
+        row_scale = (const float *)s.data;
+    }
     OrtValue *y_v = NULL;
     if ((st = ORT_FN(g_api, KernelContext_GetOutput, OrtKernelContextGetOutputFn)(ctx, 0, out_dims, x.rank, &y_v)))
         return st;
     if (rows == 0 || last == 0) return NULL;
-    SmJob job = {(const float *)x.data, NULL, last / 2, 0, rows};
+    SmJob job = {(const float *)x.data, row_scale, NULL, last / 2, 0, rows};
     if ((st = ORT_FN(g_api, GetTensorMutableData, OrtGetTensorMutableDataFn)(y_v, (void **)&job.y))) return st;
     job.rows_per_item = ((1 << 16) + last - 1) / last;
     const size_t items = (size_t)((rows + job.rows_per_item - 1) / job.rows_per_item);
@@ -760,7 +777,8 @@ static const char *op_name(const OrtCustomOp *op) {
 }
 static const char *op_provider(const OrtCustomOp *op) { (void)op; return "CPUExecutionProvider"; }
 static const char *op_types(const OrtCustomOp *op) {
-    return op == &g_rope_op ? ROPE_TYPES : op == &g_qrows_op || op == &g_sm_op ? "F" : op == &g_bf16_op ? "FB" : PLAIN_TYPES;
+    return op == &g_rope_op ? ROPE_TYPES : op == &g_qrows_op ? "F" : op == &g_sm_op ? "FF" : op == &g_bf16_op ? "FB"
+                                                                                                : PLAIN_TYPES;
 }
 static ONNXTensorElementDataType input_type(const OrtCustomOp *op, size_t i) { return type_of(op_types(op)[i]); }
 static size_t input_count(const OrtCustomOp *op) { return strlen(op_types(op)); }
@@ -773,9 +791,11 @@ static OrtCustomOpInputOutputCharacteristic required(const OrtCustomOp *op, size
     (void)op; (void)i;
     return INPUT_OUTPUT_REQUIRED;
 }
-/* the attention ops' k_scale and v_scale (their last two inputs) are optional: int8 pools only */
+/* the attention ops' k_scale and v_scale (their last two inputs) are optional: int8 pools only; so is
+ * SiluMul's row scale (its second input) */
 static OrtCustomOpInputOutputCharacteristic input_characteristic(const OrtCustomOp *op, size_t i) {
     const int attention = op == &g_op || op == &g_rope_op;
+    if (op == &g_sm_op) return i == 0 ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
     return attention && i + N_SCALES >= input_count(op) ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
 }
 static OrtMemType input_mem(const OrtCustomOp *op, size_t i) { (void)op; (void)i; return OrtMemTypeDefault; }
