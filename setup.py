@@ -36,7 +36,8 @@ setup(
             "runtime.kernels._paged_attention_cpu",
             sources=["runtime/kernels/paged_attention_cpu.c", "runtime/kernels/isa_avx512.c",
                      "runtime/kernels/isa_avx2.c", "runtime/kernels/isa_baseline.c"],
-            depends=["runtime/kernels/ort_api.h", "runtime/kernels/cpu_kernels.h", "runtime/kernels/cpu_kernels_impl.h"],
+            depends=["runtime/kernels/ort_api.h", "runtime/kernels/cpu_kernels.h", "runtime/kernels/cpu_kernels_impl.h",
+                     "runtime/kernels/cpu_kernels_rows.h"],
             extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wextra", "-Wno-psabi", "-fno-trapping-math"],
         ),
     ]

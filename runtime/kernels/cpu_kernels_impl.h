@@ -14,6 +14,9 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include "cpu_kernels.h"
 
@@ -138,79 +141,63 @@ static inline float exp2_neg(float x) { return vexp2_neg(vsplat(x))[0]; }
 
 /* ==== attention ========================================================================================== */
 
-/* The VL dot products q . krow[jj] (jj < VL) as one vector, lane jj = key jj: VL per-key accumulators over
- * whole vectors of the head dimension, then a transposing reduction tree (log2(VL) levels of shuffle + add;
- * the accumulators are filled in bit-reversed order, which the tree's own lane order undoes), then the
- * dimensions past the last whole vector. */
-static inline vf scores(const float *q, const float *const *krow, int64_t D) {
-    static const int bitrev[VL] = {BITREV};
-    vf a[VL];
-    for (int64_t i = 0; i < VL; i++) a[i] = (vf){0};
-    const int64_t DV = D / VL * VL;
-    for (int64_t d = 0; d < DV; d += VL) {
-        const vf qv = vload(q + d);
-        for (int64_t jj = 0; jj < VL; jj++) a[bitrev[jj]] += qv * vload(krow[jj] + d);
-    }
-    TREE(a);
-    vf out = a[0];
-    if (DV < D) {
-        float tail[VL];
-        for (int64_t jj = 0; jj < VL; jj++) {
-            float t = 0.0f;
-            for (int64_t d = DV; d < D; d++) t += q[d] * krow[jj][d];
-            tail[jj] = t;
-        }
-        out += vload(tail);
-    }
-    return out;
-}
+/* float32 rows: the pools, or a chunk's dequantized scratch */
+#define ROW_T float
+#define ROW_LOAD(p) vload(p)
+#define SCORES scores
+#define UPDATE_ROWS update_rows
+#include "cpu_kernels_rows.h"
+#undef ROW_T
+#undef ROW_LOAD
+#undef SCORES
+#undef UPDATE_ROWS
 
-/* Rows r0..r0+n (n <= 4) of acc: acc = acc * alpha[k] + sum_jj p[k][jj] * vrow[jj] for jj < nk, one
- * d-block at a time so the accumulators stay in registers across the chunk's keys. */
-static inline void update_rows(float *acc, int64_t Dp, int64_t D, int64_t n, const float *alpha, const vf *p,
-                               const float *const *vrow, int64_t nk) {
-    int64_t d = 0;
-    for (; d + UR_BLOCKS * VL <= D; d += UR_BLOCKS * VL) {
-        vf a[4][UR_BLOCKS];
-        for (int64_t k = 0; k < n; k++)
-            for (int64_t b = 0; b < UR_BLOCKS; b++) a[k][b] = vload(acc + k * Dp + d + b * VL) * alpha[k];
-        for (int64_t jj = 0; jj < nk; jj++) {
-            vf v[UR_BLOCKS];
-            for (int64_t b = 0; b < UR_BLOCKS; b++) v[b] = vload(vrow[jj] + d + b * VL);
-            for (int64_t k = 0; k < n; k++) {
-                const float pk = p[k][jj];
-                for (int64_t b = 0; b < UR_BLOCKS; b++) a[k][b] += pk * v[b];
-            }
-        }
-        for (int64_t k = 0; k < n; k++)
-            for (int64_t b = 0; b < UR_BLOCKS; b++) vstore(acc + k * Dp + d + b * VL, a[k][b]);
-    }
-    for (; d + VL <= D; d += VL) {
-        vf a[4];
-        for (int64_t k = 0; k < n; k++) a[k] = vload(acc + k * Dp + d) * alpha[k];
-        for (int64_t jj = 0; jj < nk; jj++) {
-            const vf v = vload(vrow[jj] + d);
-            for (int64_t k = 0; k < n; k++) a[k] += p[k][jj] * v;
-        }
-        for (int64_t k = 0; k < n; k++) vstore(acc + k * Dp + d, a[k]);
-    }
-    for (; d < D; d++) {
-        for (int64_t k = 0; k < n; k++) {
-            float t = acc[k * Dp + d] * alpha[k];
-            for (int64_t jj = 0; jj < nk; jj++) t += p[k][jj] * vrow[jj][d];
-            acc[k * Dp + d] = t;
-        }
-    }
+/* VL int8 codes widened to float32 (exact). GCC's vector extensions turn an int8 -> int32 or -> float
+ * conversion into one scalar conversion per lane, so on x86 the sign extension is written with the
+ * instruction set's own intrinsics: one vpmovsxbd (AVX-512, AVX2) or two unpacks and a shift (SSE2), then
+ * one int32 -> float conversion. */
+#if defined(__x86_64__) && VL == 16
+static inline vf vload_i8(const int8_t *p) {
+    const __m128i c = _mm_loadu_si128((const __m128i *)(const void *)p);
+    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c));
 }
+#elif defined(__x86_64__) && VL == 8
+static inline vf vload_i8(const int8_t *p) {
+    const __m128i c = _mm_loadl_epi64((const __m128i *)(const void *)p);
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c));
+}
+#elif defined(__x86_64__) && VL == 4
+static inline vf vload_i8(const int8_t *p) {
+    int32_t four;
+    memcpy(&four, p, sizeof four);
+    __m128i w = _mm_cvtsi32_si128(four);
+    w = _mm_unpacklo_epi8(w, w);                    /* each byte twice */
+    w = _mm_srai_epi32(_mm_unpacklo_epi16(w, w), 24); /* four times: its int32's top byte, shifted down */
+    return (vf)_mm_cvtepi32_ps(w);
+}
+#else
+static inline vf vload_i8(const int8_t *p) {
+    vf v;
+    for (int i = 0; i < VL; i++) v[i] = (float)p[i];
+    return v;
+}
+#endif
+
+/* int8 rows: an int8 pool's codes, in place */
+#define ROW_T int8_t
+#define ROW_LOAD(p) vload_i8(p)
+#define SCORES scores_i8
+#define UPDATE_ROWS update_rows_i8
+#include "cpu_kernels_rows.h"
+#undef ROW_T
+#undef ROW_LOAD
+#undef SCORES
+#undef UPDATE_ROWS
 
 /* dst[0:D] = codes * scale (DequantizeLinear with zero point 0) */
 static inline void dequant_row(float *dst, const int8_t *src, int64_t D, float scale) {
     int64_t d = 0;
-    for (; d + VL <= D; d += VL) {
-        vi8 c;
-        memcpy(&c, src + d, sizeof c);
-        vstore(dst + d, __builtin_convertvector(c, vf) * scale);
-    }
+    for (; d + VL <= D; d += VL) vstore(dst + d, vload_i8(src + d) * scale);
     for (; d < D; d++) dst[d] = (float)src[d] * scale;
 }
 
@@ -238,6 +225,27 @@ static inline void chunk_rows(const Job *job, int64_t seq, int64_t kv_head, int6
             krow[jj] = job->kc + row;
             vrow[jj] = job->vc + row;
         }
+        if (++off == BS) {
+            off = 0;
+            blk++;
+        }
+    }
+    for (int64_t jj = nk; jj < VL; jj++) {
+        krow[jj] = krow[0];
+        vrow[jj] = vrow[0];
+    }
+}
+
+/* krow8/vrow8[jj] = an int8 pool's code rows of past keys j0 + jj (jj < nk; the rest repeat key j0's) */
+static inline void chunk_rows_i8(const Job *job, int64_t seq, int64_t kv_head, int64_t j0, int64_t nk,
+                                 const int8_t **krow, const int8_t **vrow) {
+    const int64_t BS = job->block_size, KVH = job->kv_heads, D = job->head_dim;
+    const int32_t *table = job->bt + seq * job->max_blocks;
+    int64_t blk = j0 / BS, off = j0 % BS;
+    for (int64_t jj = 0; jj < nk; jj++) {
+        const int64_t row = (((int64_t)table[blk] * BS + off) * KVH + kv_head) * D;
+        krow[jj] = job->kc8 + row;
+        vrow[jj] = job->vc8 + row;
         if (++off == BS) {
             off = 0;
             blk++;
@@ -408,20 +416,32 @@ static void attention_item(void *arg, size_t index) {
     int64_t k_begin = window > 0 ? p_first - window + 1 : 0;
     if (k_begin < 0) k_begin = 0;
     const float *krow[VL], *vrow[VL];
+    const int8_t *krow8[VL], *vrow8[VL];
+    const float k_scale = job->kc8 ? job->k_scale[it.kv_head] : 1.0f, v_scale = job->kc8 ? job->v_scale[it.kv_head] : 1.0f;
     const vi lane = {IOTA};
-    vf s[NR];
+    vf s[NR], pv[NR];
     float alpha[NR];
 
     for (int64_t j0 = k_begin; j0 <= p_last; j0 += VL) {
         const int64_t nk = (p_last - j0 + 1) < VL ? (p_last - j0 + 1) : VL;
-        chunk_rows(job, it.seq, it.kv_head, j0, nk, krow, vrow, kbuf, vbuf);
+        /* an int8 pool's chunk of past keys only: its codes are read in place (scores_i8, update_rows_i8),
+         * the key scale applied to the scores and the value scale to the weights; a chunk that holds this
+         * step's own keys (read unquantized) goes through chunk_rows' dequantized scratch */
+        const int codes = job->kc8 && j0 + nk <= past;
+        if (codes)
+            chunk_rows_i8(job, it.seq, it.kv_head, j0, nk, krow8, vrow8);
+        else
+            chunk_rows(job, it.seq, it.kv_head, j0, nk, krow, vrow, kbuf, vbuf);
         if (j0 + VL <= p_last) prefetch_rows(job, it.seq, it.kv_head, j0 + VL, PF_NEXT(p_last - j0 - VL + 1));
         for (int64_t r0 = 0; r0 < R; r0 += NR) {
             const int64_t nr = R - r0 < NR ? R - r0 : NR;
             /* rows r0..r0+nr: skip when no key of this chunk is visible to any of them */
             const int64_t p_lo = past + it.q0 + r0 / G, p_hi = past + it.q0 + (r0 + nr - 1) / G;
             if (j0 > p_hi || j0 + nk - 1 < (window > 0 ? p_lo - window + 1 : 0)) continue;
-            for (int64_t k = 0; k < nr; k++) s[k] = scores(Q + (r0 + k) * Dp, krow, D);
+            if (codes)
+                for (int64_t k = 0; k < nr; k++) s[k] = scores_i8(Q + (r0 + k) * Dp, krow8, D) * k_scale;
+            else
+                for (int64_t k = 0; k < nr; k++) s[k] = scores(Q + (r0 + k) * Dp, krow, D);
             for (int64_t k = 0; k < nr; k++) {
                 const int64_t r = r0 + k;
                 const int64_t p = past + it.q0 + r / G; /* this row's position */
@@ -441,8 +461,14 @@ static void attention_item(void *arg, size_t index) {
                 l[r] = l[r] * alpha[k] + hsum(s[k]);
                 m[r] = m_new;
             }
-            for (int64_t k = 0; k < nr; k += 4)
-                update_rows(acc + (r0 + k) * Dp, Dp, D, nr - k < 4 ? nr - k : 4, alpha + k, s + k, vrow, nk);
+            if (codes) {
+                for (int64_t k = 0; k < nr; k++) pv[k] = s[k] * v_scale;
+                for (int64_t k = 0; k < nr; k += 4)
+                    update_rows_i8(acc + (r0 + k) * Dp, Dp, D, nr - k < 4 ? nr - k : 4, alpha + k, pv + k, vrow8, nk);
+            } else {
+                for (int64_t k = 0; k < nr; k += 4)
+                    update_rows(acc + (r0 + k) * Dp, Dp, D, nr - k < 4 ? nr - k : 4, alpha + k, s + k, vrow, nk);
+            }
         }
     }
     for (int64_t i = 0; i < nq; i++) {
