@@ -482,6 +482,27 @@ static void attention_item(void *arg, size_t index) {
     free(mem);
 }
 
+/* VL int32 values in [0, 255] stored as bytes. GCC narrows int32 -> uint8 vectors lane by lane (an extract
+ * and a byte store each) except on AVX-512 (vpmovdb), so AVX2 and SSE2 pack with their intrinsics. */
+#if defined(__x86_64__) && VL == 8
+static inline void vstore_u8(uint8_t *dst, vi v) {
+    const __m256i w = (__m256i)v;
+    const __m128i h = _mm_packs_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1)); /* 8 x int16 */
+    _mm_storel_epi64((__m128i *)(void *)dst, _mm_packus_epi16(h, h));
+}
+#elif defined(__x86_64__) && VL == 4
+static inline void vstore_u8(uint8_t *dst, vi v) {
+    const __m128i h = _mm_packs_epi32((__m128i)v, (__m128i)v);
+    const int32_t four = _mm_cvtsi128_si32(_mm_packus_epi16(h, h));
+    memcpy(dst, &four, sizeof four);
+}
+#else
+static inline void vstore_u8(uint8_t *dst, vi v) {
+    const vu8 c = __builtin_convertvector(v, vu8);
+    memcpy(dst, &c, sizeof c);
+}
+#endif
+
 /* ==== QuantizeRows ======================================================================================= */
 
 static void quantize_rows_item(void *arg, size_t index) {
@@ -511,8 +532,7 @@ static void quantize_rows_item(void *arg, size_t index) {
             vf v = ((vload(x + k) / sv + magic) - magic) + 128.0f;
             v = vmax(v, (vf){0});
             v = vselect(v > 255.0f, vsplat(255.0f), v);
-            const vu8 c = __builtin_convertvector(__builtin_convertvector(v, vi), vu8);
-            memcpy(q + k, &c, sizeof c);
+            vstore_u8(q + k, __builtin_convertvector(v, vi));
         }
         for (; k < job->K; k++) {
             float v = nearbyintf(x[k] / s) + 128.0f;
