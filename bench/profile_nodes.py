@@ -8,7 +8,9 @@ prompts from a seeded generator, greedy, ignore_eos, prefix caching off), with O
 - W2 long prompt: 1 prompt of 1,024 tokens, 16 new tokens (the time to first token is mostly prefill);
 - W3 throughput: 16 prompts of 128 tokens, 128 new tokens each, all added at once.
 
-For each workload: wall time, the time inside the session's runs (`model_run`), what is outside it (the
+Each workload runs `--warmup` times first (default 1; the first run of a process pays one-time costs:
+ONNX Runtime's allocations, page faults), and only the last run's events count. For each workload: wall
+time, the time inside the session's runs (`model_run`), what is outside it (the
 engine: scheduling, packing, sampling, Python), and per op type the kernel time, its share of the runs and
 its node count per run. Prints one table per workload and writes JSON (default bench/results/profile.json).
 The profiler's own cost is small against these kernels but not zero: compare shares, not these walls, with
@@ -47,8 +49,10 @@ def prompts(workload: str, vocab: int, seed: int = 0) -> list[list[int]]:
     return [[1, *rng.integers(3, vocab, size=length - 1).tolist()] for _ in range(n)]
 
 
-def summarize(trace: list[dict[str, Any]]) -> dict[str, Any]:
-    """ONNX Runtime's profile events -> time inside runs and per op type (µs in the trace, ms here)."""
+def summarize(trace: list[dict[str, Any]], since_us: float = 0.0) -> dict[str, Any]:
+    """ONNX Runtime's profile events from `since_us` on (µs after the profiler started; earlier ones are
+    the warm-up's) -> time inside runs and per op type (µs in the trace, ms here)."""
+    trace = [e for e in trace if float(e.get("ts", 0)) >= since_us]
     runs = [e for e in trace if e.get("cat") == "Session" and e.get("name") == "model_run"]
     per_op: dict[str, dict[str, float]] = defaultdict(lambda: {"ms": 0.0, "nodes": 0})
     for e in trace:
@@ -66,7 +70,18 @@ def summarize(trace: list[dict[str, Any]]) -> dict[str, Any]:
     return {"runs": len(runs), "run_ms": round(run_ms, 3), "kernel_ms": round(kernel_ms, 3), "ops": ops}
 
 
-def profile_workload(artifact: Path, workload: str, threads: int, folder: Path) -> dict[str, Any]:
+def _profiler_clock_us(start_ns: int) -> float:
+    """Microseconds since ONNX Runtime's profiler started, on the trace's own clock: its start time is read
+    from the system clock (the epoch) on Linux builds, although the docstring says time.monotonic_ns(); the
+    one of the two that puts `start_ns` shortly in the past is the one."""
+    for clock in (time.time_ns, time.monotonic_ns):
+        delta = clock() - start_ns
+        if 0 <= delta < 10**15:  # under ~12 days
+            return delta / 1000
+    raise RuntimeError(f"ONNX Runtime's profiling start time {start_ns} ns matches neither clock")
+
+
+def profile_workload(artifact: Path, workload: str, threads: int, folder: Path, warmup: int = 1) -> dict[str, Any]:
     from runtime.engine import LLMEngine
     from runtime.sampling import SamplingParams
 
@@ -79,25 +94,30 @@ def profile_workload(artifact: Path, workload: str, threads: int, folder: Path) 
         raise SystemExit(f"{artifact}: not an onnxruntime/cpu artifact (its backend has no ONNX Runtime profiler)")
     n_new = WORKLOADS[workload][2]
     params = SamplingParams(max_tokens=n_new, temperature=0.0, ignore_eos=True)
-    t0 = time.perf_counter()
-    try:
-        for i, p in enumerate(prompts(workload, engine.vocab_size)):
-            engine.add_request(f"{workload}-{i}", p, params)
-    except ValueError as e:  # e.g. W2's 1,024-token prompt on an artifact built for 1,024 tokens in all
-        return {"workload": workload, "not_run": str(e)}
-    first = None
-    steps = 0
-    while engine.has_unfinished():
-        outs = engine.step()
-        steps += 1
-        if first is None and any(o.new_token_ids for o in outs):
-            first = time.perf_counter() - t0
-    wall = time.perf_counter() - t0
+    since_us = 0.0
+    for round_ in range(warmup + 1):  # the warm-up rounds' events are left out (first-run allocations, faults)
+        if round_ == warmup:
+            since_us = _profiler_clock_us(engine.backend.session.get_profiling_start_time_ns())
+        t0 = time.perf_counter()
+        try:
+            for i, p in enumerate(prompts(workload, engine.vocab_size)):
+                engine.add_request(f"{workload}-{round_}-{i}", p, params)
+        except ValueError as e:  # e.g. W2's 1,024-token prompt on an artifact built for 1,024 tokens in all
+            return {"workload": workload, "not_run": str(e)}
+        first = None
+        steps = 0
+        while engine.has_unfinished():
+            outs = engine.step()
+            steps += 1
+            if first is None and any(o.new_token_ids for o in outs):
+                first = time.perf_counter() - t0
+        wall = time.perf_counter() - t0
     path = engine.backend.end_profiling()
     trace = json.loads(Path(path).read_text(encoding="utf-8"))
-    summary = summarize(trace)
+    summary = summarize(trace, since_us)
     n, length, _ = WORKLOADS[workload]
-    return {"workload": workload, "prompts": n, "prompt_tokens": length, "new_tokens": n_new, "steps": steps,
+    return {"workload": workload, "warmup_rounds": warmup, "prompts": n, "prompt_tokens": length, "new_tokens": n_new,
+            "steps": steps,
             "wall_ms": round(wall * 1000, 1), "ttft_ms": round((first or wall) * 1000, 1),
             "outside_runs_ms": round(wall * 1000 - summary["run_ms"], 1), **summary}
 
@@ -122,6 +142,8 @@ def main() -> int:
     ap.add_argument("--workloads", default="W1,W2,W3")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--top", type=int, default=12, help="op types per table (the rest in one row)")
+    ap.add_argument("--warmup", type=int, default=1,
+                    help="rounds of each workload run first and left out of the profile (0: profile the first run)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = ap.parse_args()
     names = [w.strip() for w in args.workloads.split(",") if w.strip()]
@@ -134,7 +156,7 @@ def main() -> int:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for w in names:
-            r = profile_workload(args.artifact, w, args.threads, Path(tmp))
+            r = profile_workload(args.artifact, w, args.threads, Path(tmp), args.warmup)
             print(f"{w}: not run: {r['not_run']}" if "not_run" in r else table(r, args.top), flush=True)
             results.append(r)
     paths = kernel_paths()
