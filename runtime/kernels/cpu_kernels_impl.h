@@ -201,33 +201,42 @@ static inline void dequant_row(float *dst, const int8_t *src, int64_t D, float s
     for (; d < D; d++) dst[d] = (float)src[d] * scale;
 }
 
-/* krow/vrow[jj] = the pool rows of keys j0 + jj (jj < nk; the rest repeat key j0's), walking the block
- * table with one division per chunk */
-static inline void chunk_rows(const Job *job, int64_t seq, int64_t kv_head, int64_t j0, int64_t nk,
-                              const float **krow, const float **vrow, float *kbuf, float *vbuf) {
+/* rows[jj] = the pool row (element offset: [block][slot][kv head][D]) of key j0 + jj of sequence seq, jj < nk,
+ * walking the block table with one division per chunk */
+static inline void pool_rows(const Job *job, int64_t seq, int64_t kv_head, int64_t j0, int64_t nk, int64_t *rows) {
     const int64_t BS = job->block_size, KVH = job->kv_heads, D = job->head_dim;
     const int32_t *table = job->bt + seq * job->max_blocks;
-    const int64_t past = job->past[seq];
     int64_t blk = j0 / BS, off = j0 % BS;
     for (int64_t jj = 0; jj < nk; jj++) {
-        const int64_t row = (((int64_t)table[blk] * BS + off) * KVH + kv_head) * D;
+        rows[jj] = (((int64_t)table[blk] * BS + off) * KVH + kv_head) * D;
+        if (++off == BS) {
+            off = 0;
+            blk++;
+        }
+    }
+}
+
+/* krow/vrow[jj] = the rows of keys j0 + jj (jj < nk; the rest repeat key j0's): the pools', or with int8
+ * pools the step's own float32 rows and the past's dequantized into the item's scratch */
+static inline void chunk_rows(const Job *job, int64_t seq, int64_t kv_head, int64_t j0, int64_t nk,
+                              const float **krow, const float **vrow, float *kbuf, float *vbuf) {
+    const int64_t D = job->head_dim, past = job->past[seq];
+    int64_t rows[VL];
+    pool_rows(job, seq, kv_head, j0, nk, rows);
+    for (int64_t jj = 0; jj < nk; jj++) {
         if (job->kc8 && j0 + jj >= past) { /* int8 pools, a key of this step: its float32 row */
             const int64_t t = job->cu[seq] + (j0 + jj - past);
             krow[jj] = job->kstep + t * job->kstep_stride + kv_head * D;
             vrow[jj] = job->vstep + t * job->vstep_stride + kv_head * D;
         } else if (job->kc8) { /* int8 pools, a past key: dequantized into the item's scratch (code * scale) */
             float *kd = kbuf + jj * D, *vd = vbuf + jj * D;
-            dequant_row(kd, job->kc8 + row, D, job->k_scale[kv_head]);
-            dequant_row(vd, job->vc8 + row, D, job->v_scale[kv_head]);
+            dequant_row(kd, job->kc8 + rows[jj], D, job->k_scale[kv_head]);
+            dequant_row(vd, job->vc8 + rows[jj], D, job->v_scale[kv_head]);
             krow[jj] = kd;
             vrow[jj] = vd;
         } else {
-            krow[jj] = job->kc + row;
-            vrow[jj] = job->vc + row;
-        }
-        if (++off == BS) {
-            off = 0;
-            blk++;
+            krow[jj] = job->kc + rows[jj];
+            vrow[jj] = job->vc + rows[jj];
         }
     }
     for (int64_t jj = nk; jj < VL; jj++) {
@@ -239,21 +248,11 @@ static inline void chunk_rows(const Job *job, int64_t seq, int64_t kv_head, int6
 /* krow8/vrow8[jj] = an int8 pool's code rows of past keys j0 + jj (jj < nk; the rest repeat key j0's) */
 static inline void chunk_rows_i8(const Job *job, int64_t seq, int64_t kv_head, int64_t j0, int64_t nk,
                                  const int8_t **krow, const int8_t **vrow) {
-    const int64_t BS = job->block_size, KVH = job->kv_heads, D = job->head_dim;
-    const int32_t *table = job->bt + seq * job->max_blocks;
-    int64_t blk = j0 / BS, off = j0 % BS;
-    for (int64_t jj = 0; jj < nk; jj++) {
-        const int64_t row = (((int64_t)table[blk] * BS + off) * KVH + kv_head) * D;
-        krow[jj] = job->kc8 + row;
-        vrow[jj] = job->vc8 + row;
-        if (++off == BS) {
-            off = 0;
-            blk++;
-        }
-    }
-    for (int64_t jj = nk; jj < VL; jj++) {
-        krow[jj] = krow[0];
-        vrow[jj] = vrow[0];
+    int64_t rows[VL];
+    pool_rows(job, seq, kv_head, j0, nk, rows);
+    for (int64_t jj = 0; jj < VL; jj++) {
+        krow[jj] = job->kc8 + rows[jj < nk ? jj : 0];
+        vrow[jj] = job->vc8 + rows[jj < nk ? jj : 0];
     }
 }
 
@@ -264,23 +263,16 @@ static inline void chunk_rows_i8(const Job *job, int64_t seq, int64_t kv_head, i
  * and asking for their pool rows is harmless: a prefetch never faults). */
 #define PF_NEXT(left) ((left) < VL ? (left) : VL)
 static inline void prefetch_rows(const Job *job, int64_t seq, int64_t kv_head, int64_t j0, int64_t nk) {
-    const int64_t BS = job->block_size, KVH = job->kv_heads, D = job->head_dim;
-    const int32_t *table = job->bt + seq * job->max_blocks;
-    const int64_t esize = job->kc8 ? 1 : 4, bytes = D * esize;
+    const int64_t esize = job->kc8 ? 1 : 4, bytes = job->head_dim * esize;
     const char *kbase = job->kc8 ? (const char *)job->kc8 : (const char *)job->kc;
     const char *vbase = job->kc8 ? (const char *)job->vc8 : (const char *)job->vc;
-    int64_t blk = j0 / BS, off = j0 % BS;
-    for (int64_t jj = 0; jj < nk; jj++) {
-        const int64_t row = (((int64_t)table[blk] * BS + off) * KVH + kv_head) * D * esize;
+    int64_t rows[VL];
+    pool_rows(job, seq, kv_head, j0, nk, rows);
+    for (int64_t jj = 0; jj < nk; jj++)
         for (int64_t b = 0; b < bytes; b += 64) {
-            __builtin_prefetch(kbase + row + b, 0, 3);
-            __builtin_prefetch(vbase + row + b, 0, 3);
+            __builtin_prefetch(kbase + rows[jj] * esize + b, 0, 3);
+            __builtin_prefetch(vbase + rows[jj] * esize + b, 0, 3);
         }
-        if (++off == BS) {
-            off = 0;
-            blk++;
-        }
-    }
 }
 
 /* Many query rows (prefill tiles): VL rows at a time in the vector lanes. Q is transposed once per group
