@@ -6,7 +6,8 @@ Rules (compiler/fusion/, one module per family; all on by default): `rms_norm`
 (com.microsoft.RotaryEmbedding with cos/sin caches of max_model_len rows), `rotary_attention`
 (optimize.RotaryPagedAttention on the packed QKV, paged_cpu graphs), `quick_gelu`
 (com.microsoft.QuickGelu for SiLU), `swiglu` (optimize.SiluMul for the MLP's Split + SiLU + Mul, graphs that
-use the C library), `quantize_rows` (optimize.QuantizeRows). Options: `rules: [...]` (the set to run) or `disable: [...]`.
+use the C library), `quantize_rows` (optimize.QuantizeRows), `row_scale` (the gate/up projection's per-token
+INT8 row scale into SiluMul's scale input). Options: `rules: [...]` (the set to run) or `disable: [...]`.
 
 Stats (manifest): rules run, how often each fired (`fusions`), candidates left alone and why
 (`not_fused`), `nodes_before`, `nodes_after`, `op_types` after, what was checked. The result is

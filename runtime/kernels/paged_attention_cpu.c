@@ -61,7 +61,8 @@
  * the same float operations in the same order, so the codes are the ones the six nodes give.
  *
  * optimize.MatMulBf16 (below) multiplies by bfloat16 weights (target.matmul: bfloat16); optimize.SiluMul
- * (below) is a SwiGLU MLP's Split + SiLU + Mul as one node: x [.., 2I] -> silu(x[.., :I]) * x[.., I:].
+ * (below) is a SwiGLU MLP's Split + SiLU + Mul as one node: x [.., 2I] -> silu(x[.., :I]) * x[.., I:], with an
+ * optional per-row scale s [.., 1] applied to x first (a per-token INT8 GEMM's row scale).
  *
  * Every index is validated before anything is written: a block table entry outside the pool, a
  * sequence longer than its table, or shapes that disagree return an error status (ONNX Runtime raises
