@@ -88,6 +88,16 @@ def cached(key: Any, fn: Callable[[], Any]) -> Any:
     return value
 
 
+def as_torch(value: np.ndarray) -> Any:
+    """torch.from_numpy of a computed array (no copy); bfloat16 (ml_dtypes, which torch does not read) through
+    its bits."""
+    import torch
+
+    if value.dtype.name == "bfloat16":
+        return torch.from_numpy(value.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(value)
+
+
 class Deferred:
     """An array known by shape and dtype now and computed on demand by `fn` (cached under `key`). `rows(a, b)`,
     where given, computes rows a..b alone (a checkpoint tensor read a slice at a time): save_model writes a large

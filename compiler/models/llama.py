@@ -516,6 +516,8 @@ class LlamaForwardBatchModel(nn.Module):
                 used.add(src)
                 if defer is not None and defer(name, param):
                     self.deferred_sources[name] = src
+                    if param.dtype != dtype:  # unwritten storage of the target dtype: the cast below never reads it
+                        param.data = torch.empty(param.shape, dtype=dtype)
                     continue
                 param.copy_(self.hf_value(name, weights[src], dtype))
         if missing:

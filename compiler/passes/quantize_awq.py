@@ -193,7 +193,7 @@ class QuantizeAwqPass(Int4WeightSizes, Pass):
         def streamed_under(prefix: str) -> list[str]:
             return [n for n in deferred if n.startswith(prefix)]
 
-        with float32_search(model):  # searches in float32 on the target's weights
+        with float32_search(model, deferred):  # searches in float32 on the target's weights
             st = quant_state(ctx)
             targets = target_linears(model, c.ignore)
             cal = load_calibration(ctx, self.name)

@@ -110,7 +110,7 @@ class QuantizeGptqPass(Int4WeightSizes, Pass):
             st.weights[f"{name}.weight"] = QuantizedWeight(f"{name}.weight", method,
                                                            int4.SpilledInt4(f"{name}.weight", q) if streamed else q)
 
-        with float32_search(model):  # searches in float32 on the target's weights
+        with float32_search(model, deferred):  # searches in float32 on the target's weights
             st = quant_state(ctx)
             targets = target_linears(model, c.ignore)
             cal = load_calibration(ctx, self.name)

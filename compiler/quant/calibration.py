@@ -47,18 +47,26 @@ def _error(message: str) -> Exception:
 
 
 @contextmanager
-def float32_search(model: Any) -> Iterator[None]:
+def float32_search(model: Any, deferred: dict[str, Any] | None = None) -> Iterator[None]:
     """The model in float32 for the duration (a float16/bfloat16 target's weights, upcast exactly), then
     back to its dtype: AWQ's scale search and GPTQ's updates compare and accumulate in float32, and
-    the weights they write are rounded to the target dtype once, at the end."""
+    the weights they write are rounded to the target dtype once, at the end. The streamed parameters
+    (`deferred`: capture's deferred_params) are not cast, which would read them: each gets an unwritten float32
+    storage for the duration (state.parameters_read upcasts what it reads into it), then its own back."""
     dtype = model.embed_tokens.weight.dtype
     if dtype == torch.float32:
         yield
         return
+    unread = {name: model.get_parameter(name) for name in deferred or {}}
+    kept = {name: p.data for name, p in unread.items()}
+    for p in unread.values():
+        p.data = torch.empty(p.shape, dtype=torch.float32)
     model.cast(torch.float32)
     try:
         yield
     finally:
+        for name, p in unread.items():
+            p.data = kept[name]
         model.cast(dtype)
 
 

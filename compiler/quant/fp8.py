@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from compiler.streamed import Deferred, cached
+from compiler.streamed import Deferred, as_torch, cached
 
 E4M3_MAX = 448.0
 MIN_SCALE = 1e-12  # an all-zero channel still gets a finite, positive scale
@@ -59,7 +59,7 @@ class StreamedFp8(Fp8Weight):
         self.key = ("fp8", name, per_channel)
 
         def run() -> Fp8Weight:
-            return quantize_weight(torch.from_numpy(source.compute()), per_channel)
+            return quantize_weight(as_torch(source.compute()), per_channel)
 
         def part(field: str) -> Callable[[], np.ndarray]:
             return lambda: getattr(cached(self.key, run), field)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from compiler.streamed import Deferred, cached, spill
+from compiler.streamed import Deferred, as_torch, cached, spill
 
 try:  # the C loops of quantize_rtn and pack_matmulnbits, built by `pip install -e .` (setup.py)
     from compiler.quant import _int4
@@ -169,7 +169,7 @@ class StreamedInt4(Int4Weight):
         self.key = ("rtn", name, group_size, symmetric)
 
         def run() -> Int4Weight:
-            return quantize_rtn(torch.from_numpy(source.compute()), group_size, symmetric=symmetric)
+            return quantize_rtn(as_torch(source.compute()), group_size, symmetric=symmetric)
 
         def part(field: str) -> Callable[[], np.ndarray]:
             return lambda: getattr(cached(self.key, run), field)

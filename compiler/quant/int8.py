@@ -35,7 +35,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from compiler.streamed import Deferred, cached, spill
+from compiler.streamed import Deferred, as_torch, cached, spill
 
 QMAX = 127  # activations: per-token codes in [-127, 127] around the zero point
 WEIGHT_QMAX = {"reduced": 64, "full": 127}  # weights: largest |code| per weight_range (see above)
@@ -86,7 +86,7 @@ class StreamedInt8(Int8Weight):
         self.key = ("int8", name, activations, weight_range)
 
         def run() -> Int8Weight:
-            return quantize_weight(torch.from_numpy(source.compute()), activations, weight_range)
+            return quantize_weight(as_torch(source.compute()), activations, weight_range)
 
         def part(field: str) -> Callable[[], np.ndarray]:
             return lambda: getattr(cached(self.key, run), field)

@@ -23,6 +23,7 @@ from compiler.quant.common import int4_bytes, matches, module_of  # noqa: F401 (
 from compiler.quant.fp8 import Fp8Weight
 from compiler.quant.int4 import Int4Weight
 from compiler.quant.int8 import Int8Weight
+from compiler.streamed import as_torch
 
 if TYPE_CHECKING:  # pragma: no cover - compiler.passes imports the passes, which import this module
     from compiler.passes.base import BuildContext
@@ -158,7 +159,7 @@ def parameters_read(model: Any, deferred: dict[str, tuple[int, Any]], names: lis
             if not value.flags.writeable:
                 value = np.array(value)
             kept.append((p, p.data))
-            p.data = torch.from_numpy(value)
+            p.data = as_torch(value).to(p.dtype)  # float32_search: upcast exactly
         yield
     finally:
         for p, unread in kept:
