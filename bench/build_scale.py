@@ -15,6 +15,7 @@ llama_model_quantize to q4_0 (two processes: the peak is the larger, the wall ti
     PYTHONPATH=$PWD python bench/build_scale.py --shapes 1b --methods rtn --references ort-genai,llama.cpp
     PYTHONPATH=$PWD python bench/build_scale.py --shapes 1b --methods gptq --calib-samples 16 --calib-seq-len 512
     PYTHONPATH=$PWD python bench/build_scale.py --shapes 100m --methods fp8,fp8-static
+    PYTHONPATH=$PWD python bench/build_scale.py --shapes 1b --methods rtn,gptq --targets torch,torch-cuda-bf16
 
 GPTQ, AWQ, int8-smoothquant and fp8-static rows calibrate on the demo's calib.txt (`--calib-samples` windows of `--calib-seq-len`
 tokens); fp8 rows quantize the activations per token in the graph (no calibration).
@@ -26,6 +27,7 @@ the wall time includes Python and torch start-up.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -83,6 +85,10 @@ METHODS = {
     "fp32": "",
 }
 CALIBRATED = ("gptq", "awq", "int8-smoothquant", "fp8-static")  # the methods that read calibration data
+# the build targets of a row: (backend, device, dtype); torch writes model.pt2 (INT4 / FP8 through lower_quant_torch)
+TARGETS = {"onnxruntime": ("onnxruntime", "cpu", "float32"), "onnxruntime-cuda-fp16": ("onnxruntime", "cuda", "float16"),
+           "torch": ("torch", "cpu", "float32"), "torch-cuda-bf16": ("torch", "cuda", "bfloat16")}
+TORCH_METHODS = ("rtn", "gptq", "awq", "fp8", "fp8-static", "fp32")
 CALIBRATION_DATA = DEMO_MODEL / "calib.txt"
 
 
@@ -161,17 +167,26 @@ def write_random_llama(out: Path, shape_name: str, seed: int = 0) -> Path:
 
 
 def write_recipe(folder: Path, checkpoint: Path, method: str, name: str, calib_samples: int = 16,
-                 calib_seq_len: int = 512) -> Path:
+                 calib_seq_len: int = 512, target: str = "onnxruntime") -> Path:
     """The build of the scale check: INT4 RTN, GPTQ or AWQ (g128, lm_head kept), INT8 (per channel, lm_head kept;
     SmoothQuant for int8-smoothquant), FP8 (per channel, lm_head and the embedding kept; activations dynamic, or
-    static for fp8-static) or fp32, ONNX Runtime CPU. GPTQ, AWQ, int8-smoothquant and fp8-static calibrate on `calib_samples` windows of `calib_seq_len` tokens of the demo's calib.txt."""
+    static for fp8-static) or fp32, for ONNX Runtime CPU (lowered to ONNX and fused) or a torch target of TARGETS
+    (model.pt2; the quantized Linears through lower_quant_torch). GPTQ, AWQ, int8-smoothquant and fp8-static
+    calibrate on `calib_samples` windows of `calib_seq_len` tokens of the demo's calib.txt."""
     calibration = (f"calibration:\n  data: {CALIBRATION_DATA}\n  num_samples: {calib_samples}\n"
                    f"  seq_len: {calib_seq_len}\n") if method in CALIBRATED else ""
+    backend, device, dtype = TARGETS[target]
+    if backend == "torch" and method not in TORCH_METHODS:
+        raise ValueError(f"method {method!r} has no torch target lowering (torch: {', '.join(TORCH_METHODS)})")
+    if backend == "torch":  # the packed weights into the program; the CUDA-graph check (fake tensors)
+        lowering = ("  - name: lower_quant_torch\n" if METHODS[method] else "") + "  - name: plan_cuda_graphs\n"
+    else:  # ONNX, quantization lowered, fused; on CUDA the CUDA-graph check (its runs make zero weights)
+        lowering = ("  - name: lower_onnx\n" + ("  - name: lower_quant\n" if METHODS[method] else "")
+                    + "  - name: fuse\n" + ("  - name: plan_cuda_graphs\n" if device == "cuda" else ""))
     text = (f"name: {name}\nversion: 1.0.0\nsource:\n  checkpoint: {checkpoint}\n"
-            "target:\n  backend: onnxruntime\n  device: cpu\n  dtype: float32\n"
+            f"target:\n  backend: {backend}\n  device: {device}\n  dtype: {dtype}\n"
             "passes:\n  - name: select_attention\n  - name: capture\n" + METHODS[method]
-            + "  - name: lower_onnx\n" + ("  - name: lower_quant\n" if METHODS[method] else "")
-            + "  - name: fuse\n  - name: package\n"
+            + lowering + "  - name: package\n"
             "runtime:\n  kv_block_size: 16\n  num_kv_blocks: 256\n  max_num_seqs: 8\n"
             "  max_num_batched_tokens: 256\n  max_model_len: 1024\n"
             f"{calibration}output: {folder / 'artifacts'}\n")
@@ -248,6 +263,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="100m", help=f"comma-separated, of {', '.join(SHAPES)}")
     ap.add_argument("--methods", default="rtn", help=f"comma-separated, of {', '.join(METHODS)}")
+    ap.add_argument("--targets", default="onnxruntime", help=f"comma-separated, of {', '.join(TARGETS)}")
     ap.add_argument("--out", type=Path, default=Path("/tmp/bigmodels"), help="checkpoints and artifacts")
     ap.add_argument("--limit-gb", type=float, default=6.0, help="kill a build whose RSS passes this")
     ap.add_argument("--calib-samples", type=int, default=16, help="GPTQ, AWQ, fp8-static: calibration windows")
@@ -263,14 +279,19 @@ def main() -> None:
     unknown = [m for m in a.methods.split(",") if m not in METHODS]
     if unknown:
         raise SystemExit(f"--methods: {', '.join(unknown)} not of {', '.join(METHODS)}")
+    unknown = [t for t in a.targets.split(",") if t not in TARGETS]
+    if unknown:
+        raise SystemExit(f"--targets: {', '.join(unknown)} not of {', '.join(TARGETS)}")
     rows = []
     for shape in a.shapes.split(","):
         ckpt = write_random_llama(a.out / f"llama-{shape}", shape)
-        for method in a.methods.split(","):
-            work = a.out / f"build-{shape}-{method}"
+        for target, method in itertools.product(a.targets.split(","), a.methods.split(",")):
+            label = method if target == "onnxruntime" else f"{method}@{target}"
+            work = a.out / f"build-{shape}-{label}"
             shutil.rmtree(work, ignore_errors=True)
             work.mkdir(parents=True)
-            recipe = write_recipe(work, ckpt, method, f"scale-{shape}-{method}", a.calib_samples, a.calib_seq_len)
+            recipe = write_recipe(work, ckpt, method, f"scale-{shape}-{label.replace('@', '-')}", a.calib_samples,
+                                  a.calib_seq_len, target)
             dry = subprocess.run([sys.executable, "-m", "compiler.cli", "build", str(recipe), "--dry-run"],
                                  capture_output=True, text=True, env=env)
             estimate = None
@@ -280,14 +301,14 @@ def main() -> None:
             r = run_measured([sys.executable, "-m", "compiler.cli", "build", str(recipe), "--no-autotune",
                               "--no-progress", "--force"], int(a.limit_gb * 1e9), env=env)
             passes: dict[str, Any] = {}
-            info = work / "artifacts" / f"scale-{shape}-{method}" / "1.0.0" / "build.json"
+            info = work / "artifacts" / f"scale-{shape}-{label.replace('@', '-')}" / "1.0.0" / "build.json"
             if info.is_file():
                 passes = json.loads(info.read_text()).get("memory", {})
-            row = {"shape": shape, "method": method, "estimate_bytes": estimate, **r, "per_pass": passes,
+            row = {"shape": shape, "method": label, "target": "/".join(TARGETS[target]), "estimate_bytes": estimate, **r, "per_pass": passes,
                    **({"calibration_tokens": a.calib_samples * a.calib_seq_len} if method in CALIBRATED else {})}
             rows.append(row)
             status = "ok" if r["rc"] == 0 else ("killed at limit" if r["killed_at_limit"] else f"rc {r['rc']}")
-            print(f"{shape:>5} {method:>4}: peak {_gb(r['peak_rss_bytes'])} GB, estimate {_gb(estimate)} GB, "
+            print(f"{shape:>5} {label:>4}: peak {_gb(r['peak_rss_bytes'])} GB, estimate {_gb(estimate)} GB, "
                   f"{r['wall_s']:.0f} s, {status}", flush=True)
             if r["rc"] != 0 and not r["killed_at_limit"]:
                 print(r["output_tail"], file=sys.stderr)
@@ -304,10 +325,10 @@ def main() -> None:
                   + f"), {status}", flush=True)
             if r["rc"] != 0 and not r["killed_at_limit"]:
                 print(r["output_tail"], file=sys.stderr)
-    print(f"\n{'shape':>6} {'method':>10} {'peak GB':>8} {'dry-run GB':>10} {'ratio':>6} {'wall s':>7}")
+    print(f"\n{'shape':>6} {'method':>20} {'peak GB':>8} {'dry-run GB':>10} {'ratio':>6} {'wall s':>7}")
     for r in rows:
         ratio = f"{r['estimate_bytes'] / r['peak_rss_bytes']:.2f}" if r["estimate_bytes"] else "—"
-        print(f"{r['shape']:>6} {r['method']:>10} {_gb(r['peak_rss_bytes']):>8} {_gb(r['estimate_bytes']):>10} "
+        print(f"{r['shape']:>6} {r['method']:>20} {_gb(r['peak_rss_bytes']):>8} {_gb(r['estimate_bytes']):>10} "
               f"{ratio:>6} {r['wall_s']:>7.0f}")
     a.json.parent.mkdir(parents=True, exist_ok=True)
     a.json.write_text(json.dumps({"host": {"machine": platform.machine(), "cpus": os.cpu_count(),

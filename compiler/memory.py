@@ -141,10 +141,12 @@ def _quantized_bytes(info: CheckpointInfo, passes: list[Any]) -> tuple[int, int]
     return params, stored
 
 
-# the passes a streamed build runs (the others read or change the weights of the whole model, or run it:
-# plan_cuda_graphs runs each decode bucket in an ONNX Runtime session of the graph in memory)
+# the passes a streamed build runs (the others read or change the weights of the whole model). plan_cuda_graphs
+# runs its decode buckets on zeros made during the run (ONNX) or on fake tensors (torch); build_engine writes
+# TensorRT's ONNX input one weight at a time
 STREAMING_PASSES = ("select_attention", "capture", "quantize_rtn", "quantize_gptq", "quantize_awq", "quantize_fp8",
-                    "quantize_int8", "lower_onnx", "lower_quant", "fuse", "package")
+                    "quantize_int8", "lower_onnx", "lower_quant", "fuse", "lower_quant_torch", "plan_cuda_graphs",
+                    "build_engine", "package")
 # a streamed calibration's batches (compiler/quant/calibration.py LayerRunner: dense attention) and the
 # float32 tensors a decoder layer's forward holds per token, in units of (3 x intermediate + 6 x hidden)
 GPTQ_BATCH_TOKENS = 4096
@@ -290,10 +292,9 @@ def streaming_reason(recipe: Recipe, info: CheckpointInfo, passes: list[Any] | N
     """None when the build can stream its weights (compiler/streamed.py: no pass holds the model's weights,
     package writes them one tensor at a time); else why it loads the whole model. A pass with a
     `streaming_problem(info)` method (its options, e.g. quantize_awq's search: fit) may say why not too."""
-    t = recipe.target
     cfg = info.config
-    if (t.backend, t.device, t.dtype) != ("onnxruntime", "cpu", "float32") or t.matmul not in (None, "float32"):
-        return f"target {t.backend}/{t.device}/{t.dtype}{'/' + t.matmul if t.matmul else ''} (streams: onnxruntime/cpu/float32)"
+    if recipe.target.matmul == "bfloat16":
+        return "target matmul bfloat16: fuse's matmul_bf16 rule packs the float weights in memory"
     if recipe.quality.eval_data is not None:
         return "the quality gate compares with the float32 model, which it holds"
     if cfg.num_experts or cfg.architecture == "Phi3ForCausalLM":
@@ -324,7 +325,8 @@ def estimate_pass_peaks(recipe: Recipe, info: CheckpointInfo, passes: list[Any],
     hold one decoder layer and its calibration working set while they run, `gptq_streamed_bytes` /
     `awq_streamed_bytes` / `fp8_streamed_bytes` / `int8_streamed_bytes`, and free it); package holds its
     per-tensor work (`package_streamed_bytes`); its ONNX Runtime session check of the written artifact does not
-    prepack, so the file's weights stay memory-mapped and untouched.
+    prepack, so the file's weights stay memory-mapped and untouched. plan_cuda_graphs' bucket runs make each
+    weight as zeros when the run reaches it (ONNX: two of the largest at a time) or run on fake tensors (torch).
 
     The coefficients are measured (build.json's `memory`) on random Llamas of 25M-1B parameters
     (docs/architecture.md, "Build memory")."""
@@ -358,18 +360,26 @@ def estimate_pass_peaks(recipe: Recipe, info: CheckpointInfo, passes: list[Any],
             resident += 0 if streamed else int(0.7 * weights)
         elif ps.name == "fuse":
             resident += ORT_OVERHEAD + (0 if streamed else int(1.5 * onnx))
+        elif ps.name == "plan_cuda_graphs" and streamed and (
+                recipe.target.backend == "tensorrt" or (recipe.target.backend, recipe.target.device) == ("onnxruntime", "cpu")):
+            # the bucket runs' ONNX Runtime session: each weight made as zeros when used (two at a time); not on
+            # onnxruntime/cuda, whose attention (com.microsoft.PagedAttention) has no CPU kernel to run
+            largest = max((math.prod(shape) for _dtype, shape in info.tensors.values()), default=0)
+            out[ps.name] = resident + ORT_OVERHEAD + 2 * largest * nbytes
+            continue
         elif ps.name == "package" and streamed:
-            out[ps.name] = resident + package_streamed_bytes(info, passes)
+            out[ps.name] = resident + package_streamed_bytes(info, passes, recipe.target.backend != "torch")
             continue
         out[ps.name] = resident
     return out
 
 
-def package_streamed_bytes(info: CheckpointInfo, passes: list[Any]) -> int:
+def package_streamed_bytes(info: CheckpointInfo, passes: list[Any], chunked: bool = True) -> int:
     """What a streamed package holds at its peak: STREAM_WORK x the largest checkpoint tensor it computes whole in
     float32 (a quantized weight: the tensor, its quantization's temporaries, the packed result), or a chunk of
     rows of a large float tensor it writes as the checkpoint holds it (the embedding, a kept lm_head:
-    streamed.written_in_chunks; the chunk read and converted, 2 x CHUNK_BYTES)."""
+    streamed.written_in_chunks; the chunk read and converted, 2 x CHUNK_BYTES). `chunked` False: model.pt2
+    (compiler/streamed_pt2.py), whose records are written whole."""
     from compiler.quant.common import module_of
     from compiler.streamed import CHUNK_BYTES
 
@@ -379,7 +389,8 @@ def package_streamed_bytes(info: CheckpointInfo, passes: list[Any]) -> int:
         f32 = math.prod(shape) * 4
         module, kind = module_of(name, shape)
         quantized = any(ps.estimated_bytes(module, shape, kind) is not None for ps in sizers)
-        worst = max(worst, STREAM_WORK * f32 if quantized or len(shape) < 2 or f32 <= CHUNK_BYTES else 2 * CHUNK_BYTES)
+        whole = quantized or len(shape) < 2 or f32 <= CHUNK_BYTES or not chunked
+        worst = max(worst, STREAM_WORK * f32 if whole else 2 * CHUNK_BYTES)
     return worst
 
 

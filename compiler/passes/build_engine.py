@@ -162,15 +162,12 @@ class BuildEnginePass(Pass):
         parser = trt.OnnxParser(network, logger)
         t0 = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="optimize-trt-") as tmp:
-            onnx_path = Path(tmp) / "model.onnx"
-            # external data: the parser resolves it next to the file; save_model moves the weights out of
-            # the in-memory proto, so they are read back afterwards
-            onnx.save_model(model, str(onnx_path), save_as_external_data=True, all_tensors_to_one_file=True,
-                            location="model.onnx.data", size_threshold=1024, convert_attribute=False)
+            onnx_path, streamed = write_parser_input(model, Path(tmp))
             try:
                 parsed = parser.parse_from_file(str(onnx_path))
             finally:
-                onnx.external_data_helper.load_external_data_for_model(model, tmp)
+                if not streamed:  # save_model moved the weights out of the in-memory proto: read them back
+                    onnx.external_data_helper.load_external_data_for_model(model, tmp)
         if not parsed:
             errors = [_parser_error(parser.get_error(i)) for i in range(parser.num_errors)] or logger.errors[-5:]
             raise BuildError("build_engine: TensorRT's ONNX parser refused the graph: " + "; ".join(errors[:8]))
@@ -256,6 +253,23 @@ class BuildEnginePass(Pass):
         return record
 
 
+def write_parser_input(model: Any, folder: Path) -> tuple[Path, int]:
+    """The graph TensorRT's ONNX parser reads: folder/model.onnx with its weights as external data in
+    folder/model.onnx.data (the parser resolves it next to the file, so models over 2 GB parse too). A streamed
+    build's weights (compiler/streamed.py) are computed and written one at a time, in the layout onnx.save_model
+    writes, and stay out of the in-memory graph. (the .onnx path, the number of weights streamed)"""
+    import onnx
+
+    from compiler import streamed
+
+    path = folder / "model.onnx"
+    if streamed.streamed_count(model):
+        return path, streamed.save_model(model, path, "model.onnx.data", 1024)
+    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location="model.onnx.data", size_threshold=1024, convert_attribute=False)
+    return path, 0
+
+
 def _parser_error(error: Any) -> str:
     """One ONNX parser error: its description and the node it is about."""
     if hasattr(error, "desc"):
@@ -289,4 +303,4 @@ def _progress_monitor(trt: Any, bar: Any) -> Any:
     return _Monitor()
 
 
-__all__ = ["ENGINE_FILE", "TIMING_CACHE_FILE", "BuildEngineOptions", "BuildEnginePass"]
+__all__ = ["ENGINE_FILE", "TIMING_CACHE_FILE", "BuildEngineOptions", "BuildEnginePass", "write_parser_input"]

@@ -20,6 +20,8 @@ from __future__ import annotations
 import logging
 from typing import Any, ClassVar
 
+import numpy as np
+
 from compiler.passes.base import BuildContext, BuildError, Pass
 
 log = logging.getLogger(__name__)
@@ -27,18 +29,36 @@ log = logging.getLogger(__name__)
 _ACT = {"none": 0, "static": 1, "dynamic": 2}
 
 
-def fp8_linear_module(q: Any, bias: Any, dtype: Any) -> Any:
-    """An nn.Module computing the quantized Linear `q` (a QuantizedWeight of scheme fp8_e4m3)."""
+def stored_tensor(value: Any, dtype: Any, deferred: list[tuple[str, Any, Any]], name: str) -> Any:
+    """A buffer of the stored form: the array as a tensor of `dtype` (same bytes; FP8 codes arrive as uint8), or
+    for a streamed weight's Deferred an unwritten tensor of its shape (never resident) recorded in `deferred` as
+    (name, tensor, Deferred), which package computes and writes when it writes model.pt2."""
+    import torch
+
+    from compiler.streamed import Deferred
+
+    if isinstance(value, Deferred):
+        t = torch.empty(value.shape, dtype=dtype)
+        deferred.append((name, t, value))
+        return t
+    t = torch.from_numpy(value.copy())
+    return t.view(dtype) if dtype == torch.float8_e4m3fn else t.to(dtype)  # E4M3: the codes' bytes
+
+
+def fp8_linear_module(q: Any, bias: Any, dtype: Any, deferred: list[tuple[str, Any, Any]] | None = None) -> Any:
+    """An nn.Module computing the quantized Linear `q` (a QuantizedWeight of scheme fp8_e4m3); its streamed
+    buffers go to `deferred` (stored_tensor)."""
     import torch
 
     from runtime.backends import torch_ops
 
+    pending = [] if deferred is None else deferred
+
     class Fp8Linear(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            codes = torch.from_numpy(q.data.codes.copy()).view(torch.float8_e4m3fn)
-            self.register_buffer("weight", codes)
-            self.register_buffer("weight_scale", torch.from_numpy(q.data.scales.copy()).to(torch.float32))
+            self.register_buffer("weight", stored_tensor(q.data.codes, torch.float8_e4m3fn, pending, "weight"))
+            self.register_buffer("weight_scale", stored_tensor(q.data.scales, torch.float32, pending, "weight_scale"))
             scale = q.act_scale if q.act_scale is not None else 1.0
             self.register_buffer("input_scale", torch.tensor(scale, dtype=torch.float32))
             self.bias = None if bias is None else torch.nn.Parameter(bias.detach().to(dtype), requires_grad=False)
@@ -50,19 +70,27 @@ def fp8_linear_module(q: Any, bias: Any, dtype: Any) -> Any:
     return Fp8Linear()
 
 
-def int4_linear_module(q: Any, bias: Any, dtype: Any) -> Any:
-    """An nn.Module computing the quantized Linear `q` (a QuantizedWeight of scheme int4)."""
+def int4_linear_module(q: Any, bias: Any, dtype: Any, deferred: list[tuple[str, Any, Any]] | None = None) -> Any:
+    """An nn.Module computing the quantized Linear `q` (a QuantizedWeight of scheme int4); its streamed buffers go
+    to `deferred` (stored_tensor)."""
     import torch
 
     from compiler.quant.int4 import pack_nibbles
+    from compiler.streamed import Deferred
     from runtime.backends import torch_ops
+
+    pending = [] if deferred is None else deferred
+    codes = q.data.codes
+    n, k = codes.shape
+    packed = (codes.map(pack_nibbles, (n, (k + 1) // 2), np.uint8) if isinstance(codes, Deferred)
+              else pack_nibbles(codes))
 
     class Int4Linear(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.register_buffer("weight_packed", torch.from_numpy(pack_nibbles(q.data.codes).copy()))
-            self.register_buffer("weight_scale", torch.from_numpy(q.data.scales.copy()).to(torch.float32))
-            self.register_buffer("weight_zero", torch.from_numpy(q.data.zeros.copy()))
+            self.register_buffer("weight_packed", stored_tensor(packed, torch.uint8, pending, "weight_packed"))
+            self.register_buffer("weight_scale", stored_tensor(q.data.scales, torch.float32, pending, "weight_scale"))
+            self.register_buffer("weight_zero", stored_tensor(q.data.zeros, torch.uint8, pending, "weight_zero"))
             self.bias = None if bias is None else torch.nn.Parameter(bias.detach().to(dtype), requires_grad=False)
             self.group_size = int(q.data.group_size)
 
@@ -110,6 +138,9 @@ class LowerQuantTorchPass(Pass):
         dtype = getattr(torch, ctx.recipe.target.dtype)
         replaced = {"fp8_e4m3": 0, "int4": 0}
         quant_bytes, float_bytes = 0, 0
+        # a streamed build: the stored forms are computed when package writes model.pt2 (compiler/streamed_pt2.py)
+        deferred: dict[str, tuple[int, Any]] | None = ctx.artifacts.get("deferred_params")
+        streamed = 0
         for name, q in sorted(st.weights.items()):
             if q.kind != "linear":
                 raise BuildError(f"lower_quant_torch: {name} is a quantized {q.kind}; the torch targets lower "
@@ -119,8 +150,17 @@ class LowerQuantTorchPass(Pass):
             parent = model.get_submodule(parent_name) if parent_name else model
             old = getattr(parent, child)
             make = fp8_linear_module if q.scheme == "fp8_e4m3" else int4_linear_module
-            new = make(q, old.bias, dtype)
+            pending: list[tuple[str, Any, Any]] = []
+            new = make(q, old.bias, dtype, pending)
             setattr(parent, child, new)
+            if deferred is not None:  # the float weight is gone (its storage may be reused): its record goes too
+                deferred.pop(name, None)
+                for buffer, t, value in pending:
+                    deferred[f"{path}.{buffer}"] = (t.untyped_storage().data_ptr(), value)
+                streamed += bool(pending)
+            elif pending:
+                raise BuildError(f"lower_quant_torch: {name} was quantized on streamed weights, but the build holds "
+                                 "the model")
             replaced[q.scheme] += 1
             quant_bytes += sum(b.numel() * b.element_size() for b in new.buffers())
             float_bytes += old.weight.numel() * old.weight.element_size()
@@ -135,7 +175,7 @@ class LowerQuantTorchPass(Pass):
         def calls(op: str) -> int:
             return sum(1 for n in exported.graph.nodes if n.op == "call_function" and op in str(n.target))
 
-        stats: dict[str, Any] = {}
+        stats: dict[str, Any] = {"streamed": streamed} if deferred is not None else {}
         if replaced["fp8_e4m3"]:
             stats |= {"fp8_linears": replaced["fp8_e4m3"], "fp8_linear_calls": calls("fp8_linear")}
         if replaced["int4"]:

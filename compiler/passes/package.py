@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 MODEL_FILE = "model.onnx"
 WEIGHTS_FILE = "model.onnx.data"
-TORCH_MODEL_FILE = "model.pt2"  # torch.export.save of the captured program (weights inside)
+TORCH_MODEL_FILE = "model.pt2"  # torch.export.save of the captured program (its weights as raw records beside it)
 ENGINE_FILE = "model.plan"  # the serialized TensorRT engine (weights inside), from build_engine
 TIMING_CACHE_FILE = "timing.cache"  # TensorRT's timing cache of that build (seeds a rebuild on the same GPU)
 
@@ -150,7 +150,15 @@ class PackagePass(Pass):
         if ctx.recipe.target.backend == "torch":
             import torch
 
-            torch.export.save(ctx.require("exported", self.name), str(out / TORCH_MODEL_FILE))
+            exported = ctx.require("exported", self.name)
+            deferred = ctx.artifacts.get("deferred_params")
+            if deferred:  # a streamed build: each weight computed and written in turn
+                from compiler.streamed_pt2 import deferred_by_storage, save_program
+
+                extra["streamed_tensors"] = save_program(exported, out / TORCH_MODEL_FILE,
+                                                         deferred_by_storage(deferred))
+            else:
+                torch.export.save(exported, str(out / TORCH_MODEL_FILE))
             model_file, weights_file = TORCH_MODEL_FILE, TORCH_MODEL_FILE
         elif ctx.recipe.target.backend == "tensorrt":  # the engine holds the weights; no ONNX is shipped
             (out / ENGINE_FILE).write_bytes(ctx.require("engine_plan", self.name))

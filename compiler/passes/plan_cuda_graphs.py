@@ -17,12 +17,14 @@ lowering, i.e. the graph that ships), for every decode bucket:
    `block_table` [b, W] with W = ceil(max_model_len / block_size), the pools as allocated), so by
    (1) every intermediate shape is fixed too. With `verify` on, the graph runs on ONNX Runtime CPU
    for each bucket with two different sets of values (context lengths, positions, tokens) and the
-   output shapes must be the expected ones and the same for both.
+   output shapes must be the expected ones and the same for both. A streamed build (compiler/streamed.py)
+   holds no weights: its graph runs with each weight made as zeros when the run reaches it
+   (`with_zero_weights`), which gives the shapes the weights would.
 
 For the torch targets the same two checks run on the torch.export program (`fx_host_sync_findings`:
 ops that read tensor contents on the host (`item`, `nonzero`, `unique`, boolean masking, control
 flow) and any value whose shape has an unbacked (data-dependent) symbol; then every bucket runs
-twice on CPU with different contents). There the captured step also writes the new K/V into the
+twice on CPU with different contents; a streamed build's on fake tensors). There the captured step also writes the new K/V into the
 pools (`index_copy_`), so padded rows write into one extra pool block the scheduler never uses.
 
 The plan (buckets, the padding policy, each bucket's input shapes) goes into the manifest's
@@ -42,6 +44,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from compiler.passes.base import BuildContext, BuildError, Pass
+from compiler.streamed import deferred_of, streamed_count
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +138,42 @@ def bucket_inputs(model: Any, b: int, width: int, pool_blocks: int) -> dict[str,
     return shapes
 
 
+def with_zero_weights(model: Any) -> Any:
+    """A copy of a streamed graph (compiler/streamed.py) for the bucket runs: each streamed initializer becomes a
+    ConstantOfShape of its shape (zeros; a Cast from float32 zeros for FP8 / INT4), made when the run reaches
+    it and freed after its last use, so the run never holds the model's weights. Shapes and the graph's ops are
+    what the runs check; the values are not."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    T = TensorProto
+    # element types ONNX Runtime's CPU ConstantOfShape makes; others (E4M3, INT4) are made in float32 and cast
+    direct = {T.FLOAT, T.DOUBLE, T.FLOAT16, T.BFLOAT16, T.BOOL, T.INT8, T.INT16, T.INT32, T.INT64, T.UINT8, T.UINT16,
+              T.UINT32, T.UINT64}
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    kept, made = [], []
+    for t in out.graph.initializer:
+        if deferred_of(t) is None:
+            kept.append(t)
+            continue
+        shape = numpy_helper.from_array(np.array(list(t.dims), np.int64), f"{t.name}.zeros_shape")
+        kept.append(shape)
+        if t.data_type in direct:
+            made.append(helper.make_node("ConstantOfShape", [shape.name], [t.name],
+                                         value=helper.make_tensor("value", t.data_type, [1], [0])))
+        else:
+            made += [helper.make_node("ConstantOfShape", [shape.name], [f"{t.name}.zeros"],
+                                      value=helper.make_tensor("value", TensorProto.FLOAT, [1], [0.0])),
+                     helper.make_node("Cast", [f"{t.name}.zeros"], [t.name], to=t.data_type)]
+    del out.graph.initializer[:]
+    out.graph.initializer.extend(kept)
+    nodes = made + list(out.graph.node)
+    del out.graph.node[:]
+    out.graph.node.extend(nodes)
+    return out
+
+
 def _run_buckets(model: Any, buckets: list[int], width: int, block_size: int, vocab: int,
                  kv_heads: int, head_dim: int) -> dict[str, Any]:
     """Run each bucket twice with different contents; return output shapes (raise on a mismatch)."""
@@ -147,6 +186,9 @@ def _run_buckets(model: Any, buckets: list[int], width: int, block_size: int, vo
     so.log_severity_level = 3
     if uses_kernel(model):
         register(so)
+    if streamed_count(model):  # weights not in memory: zeros made during the run, never folded into a session
+        model = with_zero_weights(model)
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
     np_types = {TensorProto.FLOAT: np.float32, TensorProto.FLOAT16: np.float16, TensorProto.INT8: np.int8,
                 TensorProto.UINT8: np.uint8}
@@ -221,8 +263,14 @@ def fx_host_sync_findings(exported: Any) -> list[dict[str, str]]:
     return findings
 
 
-def _run_buckets_torch(exported: Any, buckets: list[int], width: int, block_size: int, cfg: Any) -> dict[str, Any]:
-    """The torch twin of _run_buckets: each bucket twice on CPU with different contents."""
+def _run_buckets_torch(exported: Any, buckets: list[int], width: int, block_size: int, cfg: Any,
+                       shapes_only: bool = False) -> dict[str, Any]:
+    """The torch twin of _run_buckets: each bucket twice on CPU with different contents. `shapes_only` (a streamed
+    build, whose weights are not in memory): the program runs on fake tensors (FakeTensorMode: shapes, dtypes
+    and the custom ops' fake kernels, no values; an op that needs a value to know a shape fails there), so
+    the weights are never read."""
+    import contextlib
+
     import torch
 
     from runtime.backends.pytorch import callable_program
@@ -230,8 +278,15 @@ def _run_buckets_torch(exported: Any, buckets: list[int], width: int, block_size
     program = callable_program(exported)
     dtype = next((p.dtype for p in exported.state_dict.values() if p.is_floating_point()), torch.float32)
     pool_blocks = width + 1
-    pools = [torch.zeros(pool_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype)
-             for _ in range(2 * cfg.num_layers)]
+    if shapes_only:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        mode: Any = FakeTensorMode(allow_non_fake_inputs=True)  # the weights become fake as they are used
+    else:
+        mode = contextlib.nullcontext()
+    with mode:
+        pools = [torch.zeros(pool_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype)
+                 for _ in range(2 * cfg.num_layers)]
     gen = torch.Generator().manual_seed(0)
     got: dict[str, Any] = {}
     for b in buckets:
@@ -241,7 +296,7 @@ def _run_buckets_torch(exported: Any, buckets: list[int], width: int, block_size
                        else torch.zeros(b, dtype=torch.int64))
             table = (torch.randint(0, pool_blocks, (b, width), generator=gen) if trial
                      else torch.full((b, width), -1)).to(torch.int32)
-            with torch.no_grad():
+            with torch.no_grad(), mode:
                 outs = program(torch.randint(0, cfg.vocab_size, (b,), generator=gen), ctx_len.clone(),
                                torch.arange(b + 1, dtype=torch.int32), ctx_len.to(torch.int32), table,
                                torch.arange(b), *pools)
@@ -291,7 +346,8 @@ class PlanCudaGraphsPass(Pass):
             findings = fx_host_sync_findings(exported)
             capturable = not findings
             if self.config.verify and capturable:
-                verified = _run_buckets_torch(exported, buckets, width, rt.kv_block_size, cfg)
+                verified = _run_buckets_torch(exported, buckets, width, rt.kv_block_size, cfg,
+                                              shapes_only=bool(ctx.artifacts.get("deferred_params")))
             nodes = len(exported.graph.nodes)
             shapes = {str(b): {"input_ids": [b], "cu_seqlens": [b + 1], "block_table": [b, width]} for b in buckets}
         else:
