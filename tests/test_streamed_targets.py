@@ -142,3 +142,23 @@ def test_streamed_tensorrt_input_is_the_loaded_graph(tmp_path: Path, ckpt: Path)
     assert verified["stream"] == verified["load"] == [1, 2, 4, 8]
     for f in ("model.onnx", "model.onnx.data"):
         assert (tmp_path / "stream" / "parser" / f).read_bytes() == (tmp_path / "load" / "parser" / f).read_bytes(), f
+
+
+def test_a_bfloat16_tensorrt_graph_is_planned_without_running_its_buckets(tmp_path: Path, ckpt: Path) -> None:
+    """ONNX Runtime's CPU provider has no bfloat16 arithmetic, so plan_cuda_graphs cannot run a tensorrt/bfloat16
+    graph's buckets: the plan says why (naming the node) and rests on the taint analysis, instead of failing the
+    build."""
+    recipe = write_recipe(tmp_path, ckpt, name="trt-bf16", backend="tensorrt", device="cuda", dtype="bfloat16",
+                          passes="  - name: select_attention\n  - name: capture\n  - name: lower_onnx\n"
+                                 "  - name: plan_cuda_graphs\n  - name: build_engine\n  - name: package\n")
+    p = plan(recipe)
+    ctx = BuildContext(recipe=p.recipe, checkpoint=p.checkpoint, staging=tmp_path / "staging")
+    ctx.artifacts.update(no_autotune=True, streamed=p.streamed)
+    try:
+        for ps in p.passes[:[q.name for q in p.passes].index("build_engine")]:
+            stats = ps.run(ctx)
+            ctx.completed.append(ps.name)
+    finally:
+        streamed.reset()
+    assert stats["capturable"] and stats["verified_buckets"] == []
+    assert "ONNX Runtime CPU cannot run the graph" in stats["buckets_not_run"] and "node" in stats["buckets_not_run"]

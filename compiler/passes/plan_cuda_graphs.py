@@ -19,7 +19,9 @@ lowering, i.e. the graph that ships), for every decode bucket:
    for each bucket with two different sets of values (context lengths, positions, tokens) and the
    output shapes must be the expected ones and the same for both. A streamed build (compiler/streamed.py)
    holds no weights: its graph runs with each weight made as zeros when the run reaches it
-   (`with_zero_weights`), which gives the shapes the weights would.
+   (`with_zero_weights`), which gives the shapes the weights would. A graph ONNX Runtime's CPU provider
+   cannot run (bfloat16 arithmetic: the tensorrt/bfloat16 target) is checked by (1) alone, and the pass's
+   `buckets_not_run` says why.
 
 For the torch targets the same two checks run on the torch.export program (`fx_host_sync_findings`:
 ops that read tensor contents on the host (`item`, `nonzero`, `unique`, boolean masking, control
@@ -174,11 +176,17 @@ def with_zero_weights(model: Any) -> Any:
     return out
 
 
+class NoCpuKernel(Exception):
+    """The graph has a node ONNX Runtime's CPU provider cannot run: its buckets are checked by the taint analysis
+    alone."""
+
+
 def _run_buckets(model: Any, buckets: list[int], width: int, block_size: int, vocab: int,
                  kv_heads: int, head_dim: int) -> dict[str, Any]:
     """Run each bucket twice with different contents; return output shapes (raise on a mismatch)."""
     import onnxruntime as ort
     from onnx import TensorProto
+    from onnxruntime.capi.onnxruntime_pybind11_state import NotImplemented as NotImplementedError_
 
     from runtime.kernels.paged_attention_cpu import register, uses_kernel
 
@@ -189,7 +197,10 @@ def _run_buckets(model: Any, buckets: list[int], width: int, block_size: int, vo
     if streamed_count(model):  # weights not in memory: zeros made during the run, never folded into a session
         model = with_zero_weights(model)
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    try:
+        sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    except NotImplementedError_ as e:  # e.g. bfloat16 arithmetic, which ONNX Runtime CPU has no kernels for
+        raise NoCpuKernel(str(e).split(":", 2)[-1].strip()) from e
     np_types = {TensorProto.FLOAT: np.float32, TensorProto.FLOAT16: np.float16, TensorProto.INT8: np.int8,
                 TensorProto.UINT8: np.uint8}
     pool_blocks = width + 1
@@ -341,6 +352,7 @@ class PlanCudaGraphsPass(Pass):
         width = -(-max_len // rt.kv_block_size)
         torch_target = "onnx" not in ctx.artifacts
         verified: dict[str, Any] | None = None
+        not_run: str | None = None  # why the buckets were not run, where verify is on
         if torch_target:
             exported = ctx.require("exported", self.name)
             findings = fx_host_sync_findings(exported)
@@ -355,8 +367,12 @@ class PlanCudaGraphsPass(Pass):
             findings = host_sync_findings(model)
             capturable = not findings
             if self.config.verify and capturable and not _has_cuda_only_ops(model):
-                verified = _run_buckets(model, buckets, width, rt.kv_block_size, cfg.vocab_size, cfg.num_kv_heads,
-                                        cfg.head_dim)
+                try:
+                    verified = _run_buckets(model, buckets, width, rt.kv_block_size, cfg.vocab_size,
+                                            cfg.num_kv_heads, cfg.head_dim)
+                except NoCpuKernel as e:
+                    not_run = f"ONNX Runtime CPU cannot run the graph ({e}); checked by the taint analysis only"
+                    log.info("plan_cuda_graphs: buckets not run: %s", not_run)
             nodes = len(model.graph.node)
             shapes = {str(b): {k: v for k, v in bucket_inputs(model, b, width, rt.num_kv_blocks).items()
                                if k in ("input_ids", "cu_seqlens", "block_table")} for b in buckets}
@@ -394,5 +410,6 @@ class PlanCudaGraphsPass(Pass):
             "decode_buckets": buckets,
             "host_sync_findings": len(findings),
             "verified_buckets": sorted(int(k) for k in verified) if verified else [],
+            **({"buckets_not_run": not_run} if not_run else {}),
             "nodes": nodes,
         }
