@@ -176,7 +176,7 @@ def _difference(index: int, text: str, special: bool, got: list[int], want: list
 def check_parity(folder: Path, hf: Any, texts: list[str]) -> dict[str, int]:
     """Encode `texts` with the runtime's Tokenizer from `folder` and with transformers' `hf`, with and
     without special tokens; TokenizerParityError at the first differing id. Returns the sample's size."""
-    from runtime.engine import Tokenizer
+    from runtime.tokenizer import Tokenizer
 
     runtime_tok = Tokenizer(folder)
     tokens = 0

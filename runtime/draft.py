@@ -38,7 +38,9 @@ from typing import Any
 import numpy as np
 
 from runtime.artifact import Artifact, ArtifactError, sha256_file
+from runtime.backends import load_backend
 from runtime.forward_batch import ForwardBatch
+from runtime.tokenizer import load_tokenizer
 
 __all__ = ["DraftModel", "check_pairing", "paired_draft"]
 
@@ -49,8 +51,6 @@ MAX_DRAFT_TOKENS = 32  # SpeculativeConfig.num_tokens' upper bound: sizes the sc
 
 def _vocab_difference(target: Path, draft: Path) -> str:
     """A short description of how two tokenizer.json vocabularies differ ('' when they are equal)."""
-    from runtime.engine import load_tokenizer
-
     a = load_tokenizer(target).get_vocab(with_added_tokens=True)
     b = load_tokenizer(draft).get_vocab(with_added_tokens=True)
     if a == b:
@@ -131,8 +131,6 @@ class DraftModel:
     def __init__(self, artifact: Artifact, target: Artifact, *, num_blocks: int, block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, threads: int | None = None,
                  device: str | None = None) -> None:
-        from runtime.engine import _load_backend
-
         check_pairing(target, artifact)
         self.artifact = artifact
         cfg = artifact.check_runtime(device=device)
@@ -142,7 +140,7 @@ class DraftModel:
         self.scratch_per_seq = -(-(MAX_DRAFT_TOKENS + 1) // block_size) + 1
         self.budget = max(max_num_batched_tokens, max_num_seqs)
         try:
-            self.backend = _load_backend(artifact, num_blocks + max_num_seqs * self.scratch_per_seq, threads, device)
+            self.backend = load_backend(artifact, num_blocks + max_num_seqs * self.scratch_per_seq, threads, device)
         except (ArtifactError, RuntimeError, ValueError):
             raise
         except Exception as exc:  # ONNX Runtime's own exception types for a corrupt graph

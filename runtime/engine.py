@@ -11,7 +11,6 @@ from __future__ import annotations
 import enum
 import hashlib
 import itertools
-import json
 import logging
 import os
 import threading
@@ -24,11 +23,13 @@ from typing import Any
 import numpy as np
 
 from runtime.artifact import Artifact, ArtifactError
+from runtime.backends import load_backend
 from runtime.core import CORE_IMPL, RNG, Scheduler, SchedulerConfig
 from runtime.draft import DraftModel, paired_draft
 from runtime.sampling import Sampler, SamplingParams, make_generator
 from runtime.speculative import SpeculativeConfig, ngram_propose, verify_greedy, verify_sampled
 from runtime.structured import Grammars, mask_words
+from runtime.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -120,75 +121,6 @@ class _Request:
     draft: list[int] = field(default_factory=list)  # this step's proposals
 
 
-def load_tokenizer(folder: Path) -> Any:
-    """tokenizers' Tokenizer from folder/tokenizer.json; ArtifactError when it is missing or garbage."""
-    from tokenizers import Tokenizer as HFTokenizer
-
-    path = folder / "tokenizer.json"
-    try:
-        tok = HFTokenizer.from_file(str(path))
-        if tok.get_vocab_size() < 1:
-            raise ValueError("an empty vocabulary")
-    except Exception as exc:  # tokenizers raises a bare Exception on a malformed file
-        raise ArtifactError(f"{path}: not a readable tokenizer: {exc}") from exc
-    return tok
-
-
-class Tokenizer:
-    """The artifact's tokenizer (tokenizers' Tokenizer from tokenizer/tokenizer.json)."""
-
-    def __init__(self, folder: Path) -> None:
-        self._tok = load_tokenizer(folder)
-        cfg_path = folder / "tokenizer_config.json"
-        try:
-            self.config: dict[str, Any] = json.loads(cfg_path.read_text("utf-8")) if cfg_path.is_file() else {}
-        except (OSError, ValueError) as exc:
-            raise ArtifactError(f"{cfg_path}: unreadable: {exc}") from exc
-        if not isinstance(self.config, dict):
-            raise ArtifactError(f"{cfg_path}: must hold a JSON object")
-        self.vocab_size = self._tok.get_vocab_size()
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=True)
-
-
-def _load_backend(artifact: Artifact, num_blocks: int | None, threads: int | None, device: str | None = None,
-                  graphs: str | None = None, cpu_isa: str | None = None) -> Any:
-    """The artifact's backend on its target device, or on `device` when given (e.g. 'cpu' to run a CUDA
-    torch artifact on a machine without a GPU); `graphs` is the torch backend's CUDA-graph mode; `cpu_isa`
-    the code path of the package's C ops (ONNX Runtime CPU; None: OPTIMIZE_CPU_ISA, else the CPU's widest)."""
-    cfg = artifact.runtime_config
-    backend = cfg.get("backend")
-    device = device or cfg.get("device", "cpu")
-    if backend == "onnxruntime":
-        if device == "cuda":
-            from runtime.backends.onnxruntime_cuda import OnnxRuntimeCudaBackend
-
-            return OnnxRuntimeCudaBackend(artifact.model_path, cfg, artifact.manifest, num_blocks=num_blocks,
-                                          graphs=graphs)
-        from runtime.backends.onnxruntime import OnnxRuntimeBackend
-
-        return OnnxRuntimeBackend(artifact.model_path, cfg, num_blocks=num_blocks, intra_op_threads=threads,
-                                  cpu_isa=cpu_isa)
-    if backend == "torch":
-        from runtime.backends.pytorch import TorchBackend
-
-        return TorchBackend(artifact.model_path, cfg, num_blocks=num_blocks, device=device, threads=threads,
-                            cuda_graphs=artifact.manifest.get("cuda_graphs"), graphs=graphs,
-                            attention=artifact.manifest.get("kernels", {}).get("attention", {}).get("variant"))
-    if backend == "tensorrt":
-        if device != "cuda":
-            raise RuntimeError(f"a TensorRT engine runs on the GPU it was built for, not on {device!r}")
-        from runtime.backends.tensorrt import TensorRTBackend
-
-        return TensorRTBackend(artifact.model_path, cfg, artifact.manifest, num_blocks=num_blocks, graphs=graphs)
-    raise RuntimeError(f"artifact backend {backend!r} is not available in this runtime "
-                       "(have: onnxruntime, torch, tensorrt)")
-
-
 class LLMEngine:
     """Continuous batching over one artifact: add requests at any time, call `step()` until done."""
 
@@ -217,7 +149,7 @@ class LLMEngine:
         `draft`: the draft model of method "draft" (runtime/draft.py): an artifact folder (or Artifact),
         True for the one the target's manifest pairs with it, False for none; None (default): the paired
         one when `speculative` is a "draft" config, else none.
-        `retune`: re-measure the C ops' code path on this machine before loading (runtime/kernels/cpu_check.py;
+        `retune`: re-measure the C ops' code path on this machine before loading (runtime/cpu_check.py;
         the attention variant itself is part of the graph and stays)."""
         if speculative is not None:
             speculative.validate()
@@ -228,7 +160,7 @@ class LLMEngine:
         cfg = self.artifact.check_runtime(num_blocks=num_blocks, max_model_len=max_model_len, device=device)
         try:
             cpu_isa = self._retune(threads, device) if retune else None
-            self.backend = _load_backend(self.artifact, num_blocks, threads, device, graphs, cpu_isa)
+            self.backend = load_backend(self.artifact, num_blocks, threads, device, graphs, cpu_isa)
         except (ArtifactError, RuntimeError, ValueError):
             raise
         except MemoryError as exc:
@@ -276,7 +208,7 @@ class LLMEngine:
 
     def _retune(self, threads: int | None, device: str | None) -> str | None:
         """--retune: the fastest code path of the C ops for this artifact here (None: nothing to choose)."""
-        from runtime.kernels.cpu_check import retune
+        from runtime.cpu_check import retune
 
         cfg = self.artifact.runtime_config
         uses_ops = cfg["graph"].get("kv_write") == "graph" or "optimize" in cfg["graph"].get("custom_op_domains", [])
@@ -293,7 +225,7 @@ class LLMEngine:
     def _report_kernel_paths(self) -> None:
         """Log where this CPU's code path differs from the one the build's autotune measured on, how
         bfloat16 products run here, and full-range int8 weights on a CPU without an int8 dot product."""
-        from runtime.kernels.cpu_check import bf16_line, int8_warning, isa_warning
+        from runtime.cpu_check import bf16_line, int8_warning, isa_warning
 
         paths = getattr(self.backend, "kernel_paths", None)
         if not paths:

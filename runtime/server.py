@@ -157,7 +157,7 @@ class ServerConfig:
     device: str | None = None  # None: the artifact's target device
     cuda_graphs: str | None = None  # auto | padded | off (GPU backends); None: auto
     warmup: bool = True
-    retune: bool = False  # re-measure the C ops' CPU code path at load (runtime/kernels/cpu_check.py)
+    retune: bool = False  # re-measure the C ops' CPU code path at load (runtime/cpu_check.py)
     # Slow and hostile clients.
     header_timeout: float = 10.0  # seconds from connection (or the previous response) to a request's full headers
     body_timeout: float = 30.0  # seconds from the headers to the end of the body
@@ -497,7 +497,7 @@ class TextCodec:
     """The artifact's tokenizer on the HTTP side (encode, decode, one token's text for logprobs)."""
 
     def __init__(self, folder: Path) -> None:
-        from runtime.engine import load_tokenizer
+        from runtime.tokenizer import load_tokenizer
 
         self._tok = load_tokenizer(folder)
         self.vocab_size = self._tok.get_vocab_size()

@@ -142,7 +142,7 @@ def test_serving_on_another_code_path_than_the_build_measured_warns_once(
 
 
 def test_cpu_flags_are_read_from_cpuinfo(tmp_path: Path) -> None:
-    from runtime.kernels.cpu_check import cpu_flags
+    from runtime.cpu_check import cpu_flags
 
     info = tmp_path / "cpuinfo"
     info.write_text("processor\t: 0\nmodel name\t: x\nflags\t\t: fpu sse2 avx2 fma avx512_vnni\n\n")
@@ -154,8 +154,8 @@ def test_full_range_int8_weights_warn_at_load_on_a_cpu_without_an_int8_dot_produ
         demo_artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """weight_range: full is exact only where MLAS's uint8 x int8 GEMM accumulates in int32 (VNNI, AMX): on
     another CPU the load says so in one line; reduced-range codes never warn."""
+    from runtime import cpu_check
     from runtime.engine import LLMEngine
-    from runtime.kernels import cpu_check
 
     def artifact(weight_range: str) -> Path:
         dst = tmp_path / weight_range

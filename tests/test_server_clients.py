@@ -30,7 +30,7 @@ TOL = 1e-4
 
 @pytest.fixture(scope="module")
 def prompt_ids(demo_artifact: Path) -> list[int]:
-    from runtime.engine import Tokenizer
+    from runtime.tokenizer import Tokenizer
 
     text = (DEMO_MODEL / "eval.txt").read_text(encoding="utf-8")[:4000]
     return Tokenizer(demo_artifact / "tokenizer").encode(text)[:150]
@@ -155,7 +155,7 @@ def test_what_prompt_scoring_refuses(server: ServerProcess, body: dict, param: s
 
 def test_tokenizer_endpoints(server: ServerProcess, demo_artifact: Path) -> None:
     """vLLM's /tokenize, /detokenize and /tokenizer_info: the ids the completion endpoints would use."""
-    from runtime.engine import Tokenizer
+    from runtime.tokenizer import Tokenizer
 
     tok = Tokenizer(demo_artifact / "tokenizer")
     text = "def f(x):\n    return x + 1\n"

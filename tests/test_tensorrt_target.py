@@ -504,7 +504,7 @@ def test_decode_without_graphs_matches_too(pair: tuple[Path, Path, Path], monkey
 
 def test_generation_matches_the_cpu_artifact(pair: tuple[Path, Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     """Greedy tokens through the engine core (continuous batching, prefix cache with copy-on-write); the
-    backend comes from the production dispatch (runtime.engine._load_backend reads the artifact's
+    backend comes from the production dispatch (runtime.backends.load_backend reads the artifact's
     runtime.json), which also refuses to run the engine on the CPU."""
     import fake_gpu
 

@@ -30,9 +30,10 @@ from compiler.tokenizer import (
     write_tokenizer,
 )
 from runtime.artifact import describe
-from runtime.engine import LLMEngine, Tokenizer
+from runtime.engine import LLMEngine
 from runtime.sampling import SamplingParams
 from runtime.server import ChatTemplate
+from runtime.tokenizer import Tokenizer
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 PROMPT = "def f(x):\n\n    return x\n\n\nclass A:\n\n"

@@ -107,7 +107,7 @@ class SelectAttentionPass(Pass):
         elif stats["autotune"]:
             choice, why = self._autotune(ctx, valid, cands)
             measured = ctx.build_info["attention_autotune"].get("cpu_paths")
-            if measured:  # the runtime warns when it serves on another code path (runtime/kernels/cpu_check.py)
+            if measured:  # the runtime warns when it serves on another code path (runtime/cpu_check.py)
                 stats["measured_on"] = {k: measured[k] for k in ("isa", "ops", "cpu_features")}
         else:
             order = RULES.get((t.backend, t.device), ("decomposed",))

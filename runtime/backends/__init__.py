@@ -1,12 +1,16 @@
-"""Backends: one file each (onnxruntime.py, pytorch.py); every one runs a ForwardBatch and owns the KV pools."""
+"""Backends: one file each (onnxruntime.py, onnxruntime_cuda.py, pytorch.py, tensorrt.py); every one runs a ForwardBatch
+and owns the KV pools. `load_backend` picks the artifact's, importing only that one."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from runtime.forward_batch import ForwardBatch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from runtime.artifact import Artifact
 
 
 def read_geometry(backend: Any, config: dict[str, Any], num_blocks: int | None) -> str:
@@ -51,3 +55,37 @@ def stage_padded_decode(host: dict[str, np.ndarray], batch: ForwardBatch, pad_bl
     if "slot_mapping" in host:
         host["slot_mapping"][:n] = batch.slot_mapping
         host["slot_mapping"][n:] = pad_block * block_size
+
+
+def load_backend(artifact: Artifact, num_blocks: int | None, threads: int | None, device: str | None = None,
+                  graphs: str | None = None, cpu_isa: str | None = None) -> Any:
+    """The artifact's backend on its target device, or on `device` when given (e.g. 'cpu' to run a CUDA
+    torch artifact on a machine without a GPU); `graphs` is the torch backend's CUDA-graph mode; `cpu_isa`
+    the code path of the package's C ops (ONNX Runtime CPU; None: OPTIMIZE_CPU_ISA, else the CPU's widest)."""
+    cfg = artifact.runtime_config
+    backend = cfg.get("backend")
+    device = device or cfg.get("device", "cpu")
+    if backend == "onnxruntime":
+        if device == "cuda":
+            from runtime.backends.onnxruntime_cuda import OnnxRuntimeCudaBackend
+
+            return OnnxRuntimeCudaBackend(artifact.model_path, cfg, artifact.manifest, num_blocks=num_blocks,
+                                          graphs=graphs)
+        from runtime.backends.onnxruntime import OnnxRuntimeBackend
+
+        return OnnxRuntimeBackend(artifact.model_path, cfg, num_blocks=num_blocks, intra_op_threads=threads,
+                                  cpu_isa=cpu_isa)
+    if backend == "torch":
+        from runtime.backends.pytorch import TorchBackend
+
+        return TorchBackend(artifact.model_path, cfg, num_blocks=num_blocks, device=device, threads=threads,
+                            cuda_graphs=artifact.manifest.get("cuda_graphs"), graphs=graphs,
+                            attention=artifact.manifest.get("kernels", {}).get("attention", {}).get("variant"))
+    if backend == "tensorrt":
+        if device != "cuda":
+            raise RuntimeError(f"a TensorRT engine runs on the GPU it was built for, not on {device!r}")
+        from runtime.backends.tensorrt import TensorRTBackend
+
+        return TensorRTBackend(artifact.model_path, cfg, artifact.manifest, num_blocks=num_blocks, graphs=graphs)
+    raise RuntimeError(f"artifact backend {backend!r} is not available in this runtime "
+                       "(have: onnxruntime, torch, tensorrt)")

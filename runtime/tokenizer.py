@@ -1,0 +1,49 @@
+"""The artifact's tokenizer for the runtime: tokenizers' Tokenizer from tokenizer/tokenizer.json and its config.
+
+The engine, the server (its chat template and detokenization), the draft model's vocabulary check and the
+compiler's tokenizer parity check all read it from here.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from runtime.artifact import ArtifactError
+
+
+def load_tokenizer(folder: Path) -> Any:
+    """tokenizers' Tokenizer from folder/tokenizer.json; ArtifactError when it is missing or garbage."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    path = folder / "tokenizer.json"
+    try:
+        tok = HFTokenizer.from_file(str(path))
+        if tok.get_vocab_size() < 1:
+            raise ValueError("an empty vocabulary")
+    except Exception as exc:  # tokenizers raises a bare Exception on a malformed file
+        raise ArtifactError(f"{path}: not a readable tokenizer: {exc}") from exc
+    return tok
+
+
+class Tokenizer:
+    """The artifact's tokenizer (tokenizers' Tokenizer from tokenizer/tokenizer.json)."""
+
+    def __init__(self, folder: Path) -> None:
+        self._tok = load_tokenizer(folder)
+        cfg_path = folder / "tokenizer_config.json"
+        try:
+            self.config: dict[str, Any] = json.loads(cfg_path.read_text("utf-8")) if cfg_path.is_file() else {}
+        except (OSError, ValueError) as exc:
+            raise ArtifactError(f"{cfg_path}: unreadable: {exc}") from exc
+        if not isinstance(self.config, dict):
+            raise ArtifactError(f"{cfg_path}: must hold a JSON object")
+        self.vocab_size = self._tok.get_vocab_size()
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=True)
