@@ -21,12 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from compiler.models.families import ROPE_TYPES, nearest_family
+
 log = logging.getLogger(__name__)
 
 # RoPE types of rope_parameters / rope_scaling the model definition computes as transformers does
-# (compiler/models/llama.py rope_inv_freq); `dynamic` equals `default` up to max_position_embeddings,
-# where max_model_len is capped
-ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
+# (compiler/models/llama.py rope_inv_freq): ROPE_TYPES (compiler/models/families.py); `dynamic` equals `default`
+# up to max_position_embeddings, where max_model_len is capped
 # MLP activations of hidden_act / hidden_activation -> the model definition's name
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 SUPPORTED_ARCHITECTURES = (
@@ -124,8 +125,6 @@ class ModelConfig:
         archs = cfg.get("architectures") or []
         arch = archs[0] if archs else "<none>"
         if arch not in SUPPORTED_ARCHITECTURES:
-            from compiler.models.families import nearest_family
-
             model_type = cfg.get("model_type") or "this checkpoint"
             raise CheckpointError(
                 f"architecture {arch!r} (model_type {model_type}) is not supported; supported: "

@@ -183,7 +183,7 @@ def gptq_streamed_bytes(recipe: Recipe, info: CheckpointInfo, options: Any) -> i
     hidden) and in down_proj's (its input, T x intermediate, float32); or,
     before the layers, the embedding table read whole (float32 and the checkpoint's copy) beside the hidden
     states, where that is more."""
-    from compiler.passes.quantize_gptq import SEQUENTIAL_ROLES, sequential_steps
+    from compiler.quant.common import SEQUENTIAL_ROLES, sequential_steps
     from compiler.quant.gptq import ADD_ROWS
 
     t = _calibration_terms(recipe, info)

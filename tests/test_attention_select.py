@@ -118,9 +118,8 @@ def _onnx_session(proto):  # noqa: ANN001, ANN202
                                   for c in GRAPH_CASES], ids=list(GRAPH_CASES))
 def test_gqa_graph_matches_decomposed(case: str, tmp_path: Path) -> None:
     from compiler.attention.autotune import _mixed_batch
+    from compiler.export import export_forward_batch, graph_io_names, lower_exported
     from compiler.models.llama import LlamaForwardBatchModel
-    from compiler.passes.capture import export_forward_batch, graph_io_names
-    from compiler.passes.lower_onnx import lower_exported
 
     arch, over = GRAPH_CASES[case]
     ckpt = make_random_checkpoint(tmp_path / "ckpt", arch, seed=5, num_hidden_layers=1, **over)

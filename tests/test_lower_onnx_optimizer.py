@@ -1,4 +1,4 @@
-"""lower_onnx's optimizer runs without onnxscript's SlicesSplit rule (compiler/passes/lower_onnx.py), and the
+"""lower_onnx's optimizer runs without onnxscript's SlicesSplit rule (compiler/export.py), and the
 lowered graph is the one the exporter's full default rule set gives.
 
 SlicesSplit is tried against every pair of Slice nodes (its cost grows with the square of the layer count);
@@ -14,9 +14,8 @@ import torch
 from conftest import DEMO_MODEL
 
 from compiler.checkpoint import inspect_checkpoint
+from compiler.export import export_forward_batch, graph_io_names, without_slice_split
 from compiler.models.llama import LlamaForwardBatchModel
-from compiler.passes.capture import export_forward_batch, graph_io_names
-from compiler.passes.lower_onnx import without_slice_split
 
 
 @pytest.mark.parametrize("attention", ["decomposed", "paged_cpu"])

@@ -314,7 +314,7 @@ def test_contrib_ops_and_asymmetric_int4_are_reported() -> None:
 
 
 def test_profiles_cover_the_serving_limits_and_one_per_bucket() -> None:
-    from compiler.passes.capture import graph_io_names
+    from compiler.export import graph_io_names
     from compiler.trt import EngineLimits, engine_profiles
 
     inputs, _ = graph_io_names(2)

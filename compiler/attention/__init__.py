@@ -209,4 +209,9 @@ def _flashinfer(cfg: Any, backend: str, device: str, dtype: str) -> Candidate:
                      "decode buckets CUDA-graph safe; needs flashinfer-python where the artifact is loaded")
 
 
-__all__ = ["KERNELS", "VARIANTS", "Candidate", "attention_kind", "candidates"]
+def kv_write(attention: dict[str, Any] | None) -> str:
+    """Who writes a step's K/V into the pools for the chosen attention variant: "graph" or "runtime"."""
+    return "graph" if (attention or {}).get("variant") in ("paged_cpu", "paged_attention") else "runtime"
+
+
+__all__ = ["KERNELS", "VARIANTS", "Candidate", "attention_kind", "candidates", "kv_write"]

@@ -98,9 +98,8 @@ def build_candidate(cfg: Any, block_size: int, variant: str, opset: int = 21) ->
     """One-layer ModelProto of `variant` (seeded random weights: the same for every variant)."""
     import torch
 
+    from compiler.export import export_forward_batch, lower_exported
     from compiler.models.llama import LlamaForwardBatchModel
-    from compiler.passes.capture import export_forward_batch
-    from compiler.passes.lower_onnx import lower_exported
 
     torch.manual_seed(0)
     model = LlamaForwardBatchModel(cfg, block_size, attention=variant)
@@ -118,7 +117,7 @@ def autotune(cfg: Any, block_size: int, max_model_len: int, variants: list[str],
     """Time each variant on the shapes; returns {"shapes", "results": {variant: {...}}, "fastest"}."""
     import onnx
 
-    from compiler.passes.package import kv_write
+    from compiler.attention import kv_write
     from runtime.backends.onnxruntime import OnnxRuntimeBackend
     from runtime.forward_batch import ForwardBatch  # noqa: F401 - the backend's contract
 

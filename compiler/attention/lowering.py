@@ -1,4 +1,4 @@
-"""ONNX translations of the attention custom ops (compiler/attention/ops.py): the contrib ops.
+"""ONNX translations of the attention custom ops (compiler/models/attention_ops.py): the contrib ops.
 
 `translation_table(variant)` is what lower_onnx hands to `torch.onnx.export(custom_translation_table=)`.
 The functions are traced by onnxscript into plain nodes of the model graph (no ONNX functions).
@@ -155,7 +155,7 @@ def paged_cpu_translation(q: Any, k: Any, v: Any, k_cache: Any, v_cache: Any, cu
 
 def translation_table(variant: str) -> dict[Any, Any] | None:
     """custom_translation_table for torch.onnx.export; None for the decomposed path (standard ops)."""
-    from compiler.attention.ops import paged_attention, paged_cpu, paged_gqa
+    from compiler.models.attention_ops import paged_attention, paged_cpu, paged_gqa
 
     if variant == "paged_cpu":
         return {paged_cpu._opoverload: paged_cpu_translation}

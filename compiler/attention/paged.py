@@ -19,9 +19,8 @@ def paged_attention_model(checkpoint: str | Path, block_size: int = 16, dtype: s
     import torch
 
     from compiler.checkpoint import inspect_checkpoint, load_weights
+    from compiler.export import export_forward_batch, lower_exported
     from compiler.models.llama import LlamaForwardBatchModel
-    from compiler.passes.capture import export_forward_batch
-    from compiler.passes.lower_onnx import lower_exported
 
     info = inspect_checkpoint(Path(checkpoint))
     cfg = info.config

@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from compiler.checkpoint import ROPE_TYPES
+# the RoPE scaling types the model definition computes (compiler/checkpoint.py refuses others)
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 
 # model_type of each supported family -> its architecture name
 FAMILIES = {

@@ -280,8 +280,8 @@ class Attention(nn.Module):
 
     def _fused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext,
                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """The contrib-op variants: one custom op over the packed tokens (compiler/attention/ops.py)."""
-        from compiler.attention.ops import OPS
+        """The contrib-op variants: one custom op over the packed tokens (compiler/models/attention_ops.py)."""
+        from compiler.models.attention_ops import OPS
 
         t = q.shape[0]
         out = OPS[self.variant](

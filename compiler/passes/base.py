@@ -2,42 +2,21 @@
 
 A pass records what it did (stats go to the manifest) and the driver records how long it took
 (build.json). A pass that does not apply to the target says why (`skip_reason`) and does nothing.
+BuildContext and BuildError live in compiler/context.py (the quantization and attention code raise it too).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from compiler.context import BuildContext, BuildError
+
 if TYPE_CHECKING:  # pragma: no cover
-    from compiler.checkpoint import CheckpointInfo
     from compiler.recipe import Recipe
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class BuildContext:
-    """Everything passes hand to each other during one build."""
-
-    recipe: Recipe
-    checkpoint: CheckpointInfo
-    staging: Path  # the artifact folder being written (renamed into place when the build succeeds)
-    artifacts: dict[str, Any] = field(default_factory=dict)  # in-memory products: "model", "exported", "onnx", ...
-    manifest: dict[str, Any] = field(default_factory=dict)  # deterministic facts for manifest.json
-    build_info: dict[str, Any] = field(default_factory=dict)  # run-to-run facts for build.json
-    completed: list[str] = field(default_factory=list)  # names of passes that have run
-
-    def require(self, key: str, by: str) -> Any:
-        if key not in self.artifacts:
-            raise BuildError(f"pass {by!r} needs {key!r}, which no earlier pass produced")
-        return self.artifacts[key]
-
-
-class BuildError(Exception):
-    """A build step failed; the message says which and why."""
 
 
 @dataclass(frozen=True)
@@ -72,3 +51,6 @@ class Pass:
 
     def run(self, ctx: BuildContext) -> dict[str, Any]:  # pragma: no cover - abstract
         raise NotImplementedError
+
+
+__all__ = ["BuildContext", "BuildError", "NoOptions", "Pass"]

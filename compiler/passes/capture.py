@@ -12,6 +12,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
+from compiler.export import export_forward_batch
 from compiler.passes.base import BuildContext, BuildError, Pass
 from compiler.targets import supported, target_for
 
@@ -34,62 +35,10 @@ class CaptureOptions:
             raise ValueError(f"weights must be auto, stream or load, got {self.weights!r}")
 
 
-def graph_io_names(num_layers: int) -> tuple[list[str], list[str]]:
-    inputs = ["input_ids", "positions", "cu_seqlens", "past_lens", "block_table", "logits_index"]
-    inputs += [f"{kind}_cache.{i}" for i in range(num_layers) for kind in ("key", "value")]
-    outputs = ["logits"] + [f"new_{kind}.{i}" for i in range(num_layers) for kind in ("key", "value")]
-    return inputs, outputs
-
-
-def example_inputs(cfg: Any, block_size: int, dtype: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """Small example batch (distinct sizes so no dimension is specialised) and the dynamic shapes."""
-    import torch
-
-    t, b, max_blocks, num_blocks = 9, 3, 4, 11  # and 2 logits rows (logits_index below)
-    args = (
-        torch.zeros(t, dtype=torch.int64),
-        torch.arange(t, dtype=torch.int64),
-        torch.tensor([0, 3, 5, 9], dtype=torch.int32),
-        torch.zeros(b, dtype=torch.int32),
-        torch.zeros(b, max_blocks, dtype=torch.int32),
-        torch.tensor([2, 8], dtype=torch.int64),
-    )
-    kv = tuple(
-        torch.zeros(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype)
-        for _ in range(2 * cfg.num_layers)
-    )
-    dim = torch.export.Dim
-    tokens = dim("num_tokens", min=1, max=1 << 16)
-    seqs = dim("num_seqs", min=1, max=1 << 12)
-    blocks = dim("max_blocks", min=1, max=1 << 16)
-    pool = dim("num_blocks", min=1, max=1 << 24)
-    logits = dim("num_logits", min=1, max=1 << 12)
-    dynamic = {
-        "input_ids": {0: tokens},
-        "positions": {0: tokens},
-        "cu_seqlens": {0: seqs + 1},
-        "past_lens": {0: seqs},
-        "block_table": {0: seqs, 1: blocks},
-        "logits_index": {0: logits},
-        "kv_cache": tuple({0: pool} for _ in kv),
-    }
-    return args + kv, dynamic
-
-
 def attention_variant(ctx: BuildContext) -> str:
     """The attention variant chosen by select_attention (default: decomposed)."""
     choice = ctx.artifacts.get("attention")
     return choice["variant"] if choice else "decomposed"
-
-
-def export_forward_batch(model: Any, cfg: Any, block_size: int, dtype: Any, strict: bool = False) -> Any:
-    """torch.export of a LlamaForwardBatchModel with the ForwardBatch's dynamic shapes (also used by the
-    attention autotuner on a one-layer model)."""
-    import torch
-
-    args, dynamic = example_inputs(cfg, block_size, dtype)
-    with torch.no_grad():
-        return torch.export.export(model, args, dynamic_shapes=dynamic, strict=strict), args
 
 
 def deferred_params(model: Any, weights: Any, dtype: Any) -> dict[str, tuple[int, Any]]:

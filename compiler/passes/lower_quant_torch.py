@@ -129,7 +129,7 @@ class LowerQuantTorchPass(Pass):
     def run(self, ctx: BuildContext) -> dict[str, Any]:
         import torch
 
-        from compiler.passes.capture import export_forward_batch
+        from compiler.export import export_forward_batch
 
         st = ctx.artifacts.get("quant")
         model = ctx.require("model", self.name)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
+from compiler.attention import kv_write
 from compiler.passes.base import BuildContext, BuildError, Pass
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,7 @@ class PackageOptions:
 
 def runtime_config(ctx: BuildContext) -> dict[str, Any]:
     """runtime.json: serving defaults from the recipe plus the model facts the runtime needs."""
-    from compiler.passes.capture import graph_io_names
+    from compiler.export import graph_io_names
 
     cfg = ctx.checkpoint.config
     rt = ctx.recipe.runtime
@@ -79,11 +80,6 @@ def runtime_config(ctx: BuildContext) -> dict[str, Any]:
         "graph": {"inputs": inputs, "outputs": outputs, "kv_write": kv_write(ctx.artifacts.get("attention")),
                   "custom_op_domains": custom_ops},
     }
-
-
-def kv_write(attention: dict[str, Any] | None) -> str:
-    """Who writes a step's K/V into the pools for the chosen attention variant: "graph" or "runtime"."""
-    return "graph" if (attention or {}).get("variant") in ("paged_cpu", "paged_attention") else "runtime"
 
 
 def check_session(model_path: Any, kernel: bool) -> str:

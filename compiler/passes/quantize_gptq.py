@@ -21,27 +21,12 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 from compiler.passes.base import BuildContext, BuildError, Pass
-from compiler.quant.common import Int4WeightSizes, check_group_size
+from compiler.quant.common import Int4WeightSizes, check_group_size, sequential_steps
 
 log = logging.getLogger(__name__)
 
 # The order a decoder layer computes its Linears in, by the last part of their names (Linears of one step
 # share an input; a mixture of experts' experts and shared expert step together: gate/up, then down).
-SEQUENTIAL_ROLES: tuple[tuple[str, ...], ...] = (
-    ("q_proj", "k_proj", "v_proj"),
-    ("o_proj",),
-    ("gate_proj", "up_proj"),
-    ("down_proj",),
-)
-
-
-def sequential_steps(names: list[str]) -> list[list[str]]:
-    """`names` (one layer's target Linears) in SEQUENTIAL_ROLES' steps; any other Linear in a last step."""
-    steps = [[n for n in names if n.rsplit(".", 1)[-1] in roles] for roles in SEQUENTIAL_ROLES]
-    rest = [n for n in names if not any(n in s for s in steps)]
-    return [s for s in steps if s] + ([rest] if rest else [])
-
-
 @dataclass(frozen=True)
 class GptqOptions:
     group_size: int = 128

@@ -35,15 +35,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from compiler.context import BuildError
+
 if TYPE_CHECKING:  # pragma: no cover
-    from compiler.passes.base import BuildContext
-
-
-def _error(message: str) -> Exception:
-    """A BuildError (imported late: compiler.passes imports the passes, which import this module)."""
-    from compiler.passes.base import BuildError
-
-    return BuildError(message)
+    from compiler.context import BuildContext
 
 
 @contextmanager
@@ -81,7 +76,7 @@ def read_text(path: Path, text_field: str) -> str:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise _error(f"calibration data {path} is not UTF-8 text: {e}") from e
+        raise BuildError(f"calibration data {path} is not UTF-8 text: {e}") from e
     if path.suffix.lower() != ".jsonl":
         return text
     parts = []
@@ -91,10 +86,10 @@ def read_text(path: Path, text_field: str) -> str:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
-            raise _error(f"{path}:{n}: invalid JSON ({e.msg})") from e
+            raise BuildError(f"{path}:{n}: invalid JSON ({e.msg})") from e
         value = record.get(text_field) if isinstance(record, dict) else None
         if not isinstance(value, str):
-            raise _error(f"{path}:{n}: no string field {text_field!r} (calibration.text_field)")
+            raise BuildError(f"{path}:{n}: no string field {text_field!r} (calibration.text_field)")
         parts.append(value)
     return "\n\n".join(parts)
 
@@ -103,7 +98,7 @@ def select_windows(num_tokens: int, seq_len: int, num_samples: int, seed: int) -
     """Start offsets of the chosen windows, ascending."""
     windows = num_tokens // seq_len
     if windows < num_samples:
-        raise _error(f"calibration data has {num_tokens} tokens = {windows} windows of {seq_len}; "
+        raise BuildError(f"calibration data has {num_tokens} tokens = {windows} windows of {seq_len}; "
                          f"num_samples is {num_samples} (lower it, shorten seq_len or give more text)")
     picked = np.sort(np.random.default_rng(seed).choice(windows, size=num_samples, replace=False))
     return [int(i) * seq_len for i in picked]
@@ -116,7 +111,7 @@ def load_calibration(ctx: BuildContext, by: str) -> Calibration:
         return cached
     spec = ctx.recipe.calibration
     if spec is None:
-        raise _error(f"pass {by!r} needs calibration data: add a 'calibration:' section to the recipe "
+        raise BuildError(f"pass {by!r} needs calibration data: add a 'calibration:' section to the recipe "
                          "(data: a local .txt or .jsonl file; num_samples, seq_len, seed)")
     from tokenizers import Tokenizer
 
@@ -133,7 +128,7 @@ def load_calibration(ctx: BuildContext, by: str) -> Calibration:
         set_by = (f"default ({DEFAULT_CALIBRATION_SAMPLES} windows)" if windows >= DEFAULT_CALIBRATION_SAMPLES
                   else f"default: every window of the file (fewer than {DEFAULT_CALIBRATION_SAMPLES})")
         if num_samples < 1:
-            raise _error(f"calibration data has {len(ids)} tokens, fewer than one window of {spec.seq_len}")
+            raise BuildError(f"calibration data has {len(ids)} tokens, fewer than one window of {spec.seq_len}")
     starts = select_windows(len(ids), spec.seq_len, num_samples, spec.seed)
     samples = tuple(tuple(ids[s:s + spec.seq_len]) for s in starts)
     written = ctx.recipe.as_dict().get("calibration", {}).get("data", spec.data.name)

@@ -49,3 +49,19 @@ class Int4WeightSizes:
         if kind != "linear" or matches(module, self.config.ignore):
             return None
         return int4_bytes(shape, self.config.group_size)
+
+
+# GPTQ's true-sequential steps: the Linears of a decoder layer in the order their inputs become final
+SEQUENTIAL_ROLES: tuple[tuple[str, ...], ...] = (
+    ("q_proj", "k_proj", "v_proj"),
+    ("o_proj",),
+    ("gate_proj", "up_proj"),
+    ("down_proj",),
+)
+
+
+def sequential_steps(names: list[str]) -> list[list[str]]:
+    """`names` (one layer's target Linears) in SEQUENTIAL_ROLES' steps; any other Linear in a last step."""
+    steps = [[n for n in names if n.rsplit(".", 1)[-1] in roles] for roles in SEQUENTIAL_ROLES]
+    rest = [n for n in names if not any(n in s for s in steps)]
+    return [s for s in steps if s] + ([rest] if rest else [])

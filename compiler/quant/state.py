@@ -13,20 +13,19 @@ import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
 from torch import nn
 
+from compiler.context import BuildContext, BuildError
 from compiler.quant.common import int4_bytes, matches, module_of  # noqa: F401 (re-exported)
 from compiler.quant.fp8 import Fp8Weight
 from compiler.quant.int4 import Int4Weight
 from compiler.quant.int8 import Int8Weight
 from compiler.streamed import as_torch
 
-if TYPE_CHECKING:  # pragma: no cover - compiler.passes imports the passes, which import this module
-    from compiler.passes.base import BuildContext
 
 @dataclass
 class QuantizedWeight:
@@ -68,8 +67,6 @@ def quant_state(ctx: BuildContext) -> QuantState:
 
 def begin(ctx: BuildContext, by: str, weights: bool = True) -> nn.Module:
     """Common start of a quantize pass: the model, a reference copy kept once, one weight method."""
-    from compiler.passes.base import BuildError
-
     model = ctx.require("model", by)
     if "lower_onnx" in ctx.completed:
         raise BuildError(f"pass {by!r} must run before lower_onnx (it changes the weights that are lowered)")
