@@ -25,6 +25,12 @@ class BuildContext:
     build_info: dict[str, Any] = field(default_factory=dict)  # run-to-run facts for build.json
     completed: list[str] = field(default_factory=list)  # names of passes that have run
 
+    @property
+    def max_model_len(self) -> int:
+        """The context the artifact serves: the recipe's runtime.max_model_len, at most the model's positions
+        (what runtime.json records and every pass sizes for)."""
+        return min(self.recipe.runtime.max_model_len, self.checkpoint.config.max_position_embeddings)
+
     def require(self, key: str, by: str) -> Any:
         if key not in self.artifacts:
             raise BuildError(f"pass {by!r} needs {key!r}, which no earlier pass produced")

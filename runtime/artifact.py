@@ -347,13 +347,16 @@ class Artifact:
         return sha256_file(self.root / MANIFEST)
 
     def check_runtime(self, *, num_blocks: int | None = None, max_model_len: int | None = None,
-                      device: str | None = None) -> dict[str, Any]:
-        """runtime.json, checked against the model before anything is allocated (ArtifactError if wrong).
+                      device: str | None = None, max_num_seqs: int | None = None,
+                      max_num_batched_tokens: int | None = None) -> RuntimeLimits:
+        """runtime.json, checked against the model before anything is allocated (ArtifactError if wrong), and the
+        serving limits in effect: the one place they are computed, which every later reader takes.
 
         Checks the types of the fields the runtime reads; that the context (max_model_len, or the
         override) fits the model's positions (model.max_position_embeddings and the rows of the ONNX
         graph's rotary cache); and, on the CPU, that the KV pool fits the memory available now.
-        `num_blocks` / `max_model_len` / `device`: the serving overrides.
+        `num_blocks` / `max_model_len` / `device` / `max_num_seqs` / `max_num_batched_tokens`: the serving
+        overrides (a max_model_len override never raises the artifact's).
         """
         path = self.root / "runtime.json"
         cfg = self.runtime_config
@@ -388,7 +391,19 @@ class Artifact:
                 raise ArtifactError(f"{path}: a KV pool of {blocks} blocks needs {need / 2**30:.1f} GiB; "
                                     f"{free / 2**30:.1f} GiB of memory is available (lower kv_cache.num_blocks "
                                     "or --num-kv-blocks)")
-        return cfg
+        return RuntimeLimits(max_model_len=context, num_blocks=int(num_blocks or kv["num_blocks"]),
+                             max_num_seqs=int(max_num_seqs or sched["max_num_seqs"]),
+                             max_num_batched_tokens=int(max_num_batched_tokens or sched["max_num_batched_tokens"]))
+
+
+@dataclass(frozen=True)
+class RuntimeLimits:
+    """The serving limits in effect (Artifact.check_runtime): runtime.json's, with the serving overrides."""
+
+    max_model_len: int  # the context, at most runtime.json's (which the build clamped to the model's positions)
+    num_blocks: int  # KV blocks in the pool
+    max_num_seqs: int
+    max_num_batched_tokens: int
 
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "uint8": 1, "float8_e4m3fn": 1,

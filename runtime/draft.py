@@ -133,8 +133,7 @@ class DraftModel:
                  device: str | None = None) -> None:
         check_pairing(target, artifact)
         self.artifact = artifact
-        cfg = artifact.check_runtime(device=device)
-        self.max_model_len = min(max_model_len, int(cfg["scheduler"]["max_model_len"]))
+        self.max_model_len = artifact.check_runtime(device=device, max_model_len=max_model_len).max_model_len
         self.block_size = block_size
         self.shared_blocks = num_blocks
         self.scratch_per_seq = -(-(MAX_DRAFT_TOKENS + 1) // block_size) + 1
@@ -148,7 +147,7 @@ class DraftModel:
         self._seqs: dict[int, _SeqCache] = {}
         self.stats = {"forwards": 0, "tokens": 0, "catch_up_tokens": 0}
         log.info("draft model %s %s: %d layers, pool of %d + %d scratch blocks", artifact.name, artifact.version,
-                 cfg["model"].get("num_layers", 0), num_blocks, max_num_seqs * self.scratch_per_seq)
+                 artifact.runtime_config["model"].get("num_layers", 0), num_blocks, max_num_seqs * self.scratch_per_seq)
 
     @property
     def name(self) -> str:

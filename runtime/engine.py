@@ -157,7 +157,9 @@ class LLMEngine:
         self.overlap_masks = overlap_masks if overlap_masks is not None else \
             os.environ.get("OPTIMIZE_MASK_OVERLAP", "1").strip() != "0"
         self.artifact = artifact if isinstance(artifact, Artifact) else Artifact.open(artifact, verify=verify)
-        cfg = self.artifact.check_runtime(num_blocks=num_blocks, max_model_len=max_model_len, device=device)
+        limits = self.artifact.check_runtime(num_blocks=num_blocks, max_model_len=max_model_len, device=device,
+                                             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+        cfg = self.artifact.runtime_config
         try:
             cpu_isa = self._retune(threads, device) if retune else None
             self.backend = load_backend(self.artifact, num_blocks, threads, device, graphs, cpu_isa)
@@ -169,13 +171,12 @@ class LLMEngine:
         except Exception as exc:  # ONNX Runtime's own exception types for a corrupt graph
             raise ArtifactError(f"{self.artifact.model_path}: the model could not be loaded: {exc}") from exc
         self._report_kernel_paths()
-        sched = cfg["scheduler"]
         self.scheduler_config = SchedulerConfig(
             block_size=self.backend.block_size,
             num_blocks=self.backend.num_blocks,
-            max_num_seqs=max_num_seqs or sched["max_num_seqs"],
-            max_num_batched_tokens=max_num_batched_tokens or sched["max_num_batched_tokens"],
-            max_model_len=min(max_model_len or sched["max_model_len"], sched["max_model_len"]),
+            max_num_seqs=limits.max_num_seqs,
+            max_num_batched_tokens=limits.max_num_batched_tokens,
+            max_model_len=limits.max_model_len,
             enable_prefix_caching=enable_prefix_caching,
             enable_copy_on_write=True,  # step() applies batch.block_copies before the forward
         )

@@ -130,3 +130,22 @@ def test_prompt_over_context_is_refused(demo_artifact: Path) -> None:
     engine = LLMEngine(demo_artifact)
     with pytest.raises(ValueError, match="at most"):
         engine.add_request("long", [5] * 1024, GREEDY)
+
+
+def test_the_serving_limits_are_computed_once(demo_artifact: Path) -> None:
+    """Artifact.check_runtime returns the limits in effect (runtime.json's with the serving overrides; a context
+    override never raises the artifact's) and the engine's scheduler takes exactly those."""
+    from runtime.artifact import Artifact
+
+    art = Artifact.open(demo_artifact)
+    sched = art.runtime_config["scheduler"]
+    plain = art.check_runtime()
+    assert (plain.max_model_len, plain.max_num_seqs, plain.max_num_batched_tokens) == (
+        sched["max_model_len"], sched["max_num_seqs"], sched["max_num_batched_tokens"])
+    assert plain.num_blocks == art.runtime_config["kv_cache"]["num_blocks"]
+    assert art.check_runtime(max_model_len=sched["max_model_len"] * 4).max_model_len == sched["max_model_len"]
+    small = art.check_runtime(max_model_len=300, num_blocks=64, max_num_seqs=3, max_num_batched_tokens=100)
+    engine = LLMEngine(demo_artifact, max_model_len=300, num_blocks=64, max_num_seqs=3, max_num_batched_tokens=100)
+    sc = engine.scheduler_config
+    assert (sc.max_model_len, sc.num_blocks, sc.max_num_seqs, sc.max_num_batched_tokens) == (
+        small.max_model_len, small.num_blocks, small.max_num_seqs, small.max_num_batched_tokens) == (300, 64, 3, 100)

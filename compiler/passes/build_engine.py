@@ -142,7 +142,7 @@ class BuildEnginePass(Pass):
         rt = ctx.recipe.runtime
         cfg = ctx.checkpoint.config
         dtype = ctx.recipe.target.dtype
-        max_len = min(rt.max_model_len, cfg.max_position_embeddings)
+        max_len = ctx.max_model_len
         limits = EngineLimits(rt.max_num_batched_tokens, rt.max_num_seqs, math.ceil(max_len / rt.kv_block_size),
                               rt.num_kv_blocks, rt.kv_block_size, cfg.num_kv_heads, cfg.head_dim)
         plan = ctx.artifacts.get("cuda_graphs") or {}

@@ -67,8 +67,7 @@ class FusePass(Pass):
         if "lower_quant" in names and "lower_quant" not in ctx.completed:
             raise BuildError("pass 'fuse' must come after 'lower_quant' (it fuses the lowered, quantized graph)")
         model = ctx.require("onnx", self.name)
-        cfg = ctx.checkpoint.config
-        rows = min(ctx.recipe.runtime.max_model_len, cfg.max_position_embeddings)
+        rows = ctx.max_model_len
         bf16 = ctx.recipe.target.matmul == "bfloat16"
         fused, stats = fuse_model(model, self.config.enabled(), rope_cache_rows=rows, matmul_bf16=bf16)
         # PagedAttention has no CPU kernel: such a graph cannot open an ONNX Runtime CPU session here, so

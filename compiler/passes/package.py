@@ -62,7 +62,7 @@ def runtime_config(ctx: BuildContext) -> dict[str, Any]:
         "scheduler": {
             "max_num_seqs": rt.max_num_seqs,
             "max_num_batched_tokens": rt.max_num_batched_tokens,
-            "max_model_len": min(rt.max_model_len, cfg.max_position_embeddings),
+            "max_model_len": ctx.max_model_len,
         },
         "model": {
             "architecture": cfg.architecture,

@@ -348,7 +348,7 @@ class PlanCudaGraphsPass(Pass):
         rt = ctx.recipe.runtime
         cfg = ctx.checkpoint.config
         buckets = list(self.config.decode_buckets or default_buckets(rt.max_num_seqs))
-        max_len = min(rt.max_model_len, cfg.max_position_embeddings)
+        max_len = ctx.max_model_len
         width = -(-max_len // rt.kv_block_size)
         torch_target = "onnx" not in ctx.artifacts
         verified: dict[str, Any] | None = None

@@ -133,7 +133,7 @@ class SelectAttentionPass(Pass):
         rt = ctx.recipe.runtime
         cfg = ctx.checkpoint.config
         order = ["decomposed"] + [v for v in valid if v != "decomposed"]  # the reference for the numeric check
-        result = autotune(cfg, rt.kv_block_size, min(rt.max_model_len, cfg.max_position_embeddings), order)
+        result = autotune(cfg, rt.kv_block_size, ctx.max_model_len, order)
         ctx.build_info["attention_autotune"] = result
         for i, c in enumerate(cands):
             r = result["results"].get(c.variant)
