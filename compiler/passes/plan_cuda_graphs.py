@@ -26,8 +26,9 @@ lowering, i.e. the graph that ships), for every decode bucket:
 For the torch targets the same two checks run on the torch.export program (`fx_host_sync_findings`:
 ops that read tensor contents on the host (`item`, `nonzero`, `unique`, boolean masking, control
 flow) and any value whose shape has an unbacked (data-dependent) symbol; then every bucket runs
-twice on CPU with different contents; a streamed build's on fake tensors). There the captured step also writes the new K/V into the
-pools (`index_copy_`), so padded rows write into one extra pool block the scheduler never uses.
+twice on CPU with different contents; a streamed build's on fake tensors). There the captured step
+also writes the new K/V into the pools (`index_copy_`), so padded rows write into one extra pool block
+the scheduler never uses.
 
 The plan (buckets, the padding policy, each bucket's input shapes) goes into the manifest's
 `cuda_graphs` for the runtime to capture at load on a GPU; a decode batch of n sequences runs in the
@@ -148,10 +149,9 @@ def with_zero_weights(model: Any) -> Any:
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    T = TensorProto
     # element types ONNX Runtime's CPU ConstantOfShape makes; others (E4M3, INT4) are made in float32 and cast
-    direct = {T.FLOAT, T.DOUBLE, T.FLOAT16, T.BFLOAT16, T.BOOL, T.INT8, T.INT16, T.INT32, T.INT64, T.UINT8, T.UINT16,
-              T.UINT32, T.UINT64}
+    direct = {getattr(TensorProto, t) for t in ("FLOAT", "DOUBLE", "FLOAT16", "BFLOAT16", "BOOL", "INT8", "INT16",
+                                                "INT32", "INT64", "UINT8", "UINT16", "UINT32", "UINT64")}
     out = onnx.ModelProto()
     out.CopyFrom(model)
     kept, made = [], []

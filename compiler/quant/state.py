@@ -80,8 +80,6 @@ def begin(ctx: BuildContext, by: str, weights: bool = True) -> nn.Module:
     return model
 
 
-
-
 def target_linears(model: nn.Module, ignore: tuple[str, ...] | list[str]) -> dict[str, nn.Linear]:
     """Linear modules by name, in model order, except those matching `ignore`."""
     return {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and not matches(n, ignore)}
