@@ -25,6 +25,7 @@ import os
 import platform
 import shutil
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -33,9 +34,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import yaml
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
 from compiler.attention import KERNELS
-from compiler.checkpoint import CheckpointError, CheckpointInfo, inspect_checkpoint
+from compiler.checkpoint import (
+    CheckpointError,
+    CheckpointInfo,
+    inspect_checkpoint,
+    load_weights,
+    source_sha256,
+)
 from compiler.disk import check_disk
+from compiler.draft import truncate_checkpoint
 from compiler.memory import (
     RssSampler,
     check_memory,
@@ -47,11 +59,26 @@ from compiler.memory import (
     trim_heap,
 )
 from compiler.passes import PASSES, BuildContext, BuildError, Pass, pass_options
+from compiler.quant.common import module_of
 from compiler.recipe import Recipe, RecipeError, load_recipe
 from compiler.streamed import reset as reset_streamed
 from compiler.streamed import use_spill_folder
 from compiler.targets import supported, target_for
-from runtime.artifact import check_version_unused, write_build_info, write_manifest
+from runtime.artifact import (
+    Artifact,
+    ArtifactError,
+    check_version_unused,
+    read_manifest,
+    sha256_file,
+    write_build_info,
+    write_manifest,
+)
+from runtime.backends import load_backend
+from runtime.draft import check_pairing
+from runtime.evaluate import PerplexityResult, chunk_tokens, paired_delta, perplexity
+from runtime.forward_batch import ForwardBatch
+from runtime.gpu import missing_for
+from runtime.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -82,8 +109,6 @@ def _estimates(recipe: Recipe, info: CheckpointInfo, passes: list[Pass] | None =
     sizers = [ps for ps in passes or [] if hasattr(ps, "estimated_bytes")]
     bf16 = recipe.target.matmul == "bfloat16"
     if sizers or bf16:  # quantized weights: what the quantize pass stores for each tensor
-        from compiler.quant.common import module_of
-
         weights = 0
         for name, (_dtype, shape) in info.tensors.items():
             module, kind = module_of(name, shape)
@@ -256,45 +281,26 @@ def quality_gate(ctx: BuildContext) -> dict[str, Any]:
     judged with the data given, which fails the build too (the artifact is not shown to meet it).
     The other bounds compare point values.
     """
-    from runtime.evaluate import chunk_tokens
-
     q = ctx.recipe.quality
     eval_data = ctx.recipe.as_dict().get("quality", {}).get("eval_data")
     if q.eval_data is None:  # (the schema requires eval_data for any bound)
         return {"evaluated": False, "eval_data": None, "bounds": {},
                 "reason": "the recipe names no quality.eval_data and sets no bounds: nothing to gate"}
-    from runtime.engine import LLMEngine
-
     device, why_not = _evaluation_device(ctx.recipe)
     if device is None:
-        check_gate_can_run(ctx.recipe)  # (build() ran it before any pass): bounds need allow_unevaluated
-        record = {"evaluated": False, "eval_data": eval_data, "bounds": q.bounds, "reason": why_not}
-        if q.bounds:
-            record["allowed_by"] = "quality.allow_unevaluated"
-            log.warning("quality: not evaluated (%s); bounds not checked: %s", why_not,
-                        ", ".join(f"{k} {v:g}" for k, v in q.bounds.items()))
-        return record
+        return _not_evaluated(ctx.recipe, eval_data, why_not)
     if device != ctx.recipe.target.device:
         log.info("quality gate on %s: %s", device, _missing_for_target(ctx.recipe))
-    engine = LLMEngine(ctx.staging, verify=True, device=device)
+    backend, tokenizer = _open_staged(ctx.staging, device)
     reference = _fp32_reference(ctx)
     if reference is None and (q.max_perplexity_increase_pct is not None or q.max_kl_divergence is not None
                               or q.min_token_agreement is not None):
         raise BuildError("quality gate: the recipe bounds a comparison with the unoptimised model, "
                          "but no pass produced it (capture)")
-    ids = engine.tokenizer.encode(Path(q.eval_data).read_text(encoding="utf-8"), add_special_tokens=False)
-    chunks = chunk_tokens(ids, CHUNK_LEN, q.max_eval_tokens)
-    if not chunks:
-        raise BuildError(f"quality gate: the eval text has {len(ids)} tokens, fewer than one chunk of {CHUNK_LEN}")
-    compare = _Comparison(engine.backend, reference)
-    bound = q.max_perplexity_increase_pct if reference is not None else None
-    if q.max_eval_tokens is not None:
-        compare.score(chunks)
-        sizing: dict[str, Any] = {"rule": "recipe: quality.max_eval_tokens", "chunks": len(chunks)}
-    else:
-        compare.score(chunks[:PILOT_CHUNKS])
-        n, sizing = eval_size(compare.delta() if reference is not None else None, bound, len(chunks))
-        compare.score(chunks[PILOT_CHUNKS:n])
+    ids = tokenizer.encode(Path(q.eval_data).read_text(encoding="utf-8"), add_special_tokens=False)
+    compare = _Comparison(backend, reference)
+    sizing = _score_eval_text(compare, ids, q.max_eval_tokens,
+                              q.max_perplexity_increase_pct if reference is not None else None)
     result = compare.result(min(len(ids), compare.chunks * CHUNK_LEN))
     metrics: dict[str, Any] = {
         "eval_data": eval_data,
@@ -312,38 +318,9 @@ def quality_gate(ctx: BuildContext) -> dict[str, Any]:
         bounds["max_perplexity"] = q.max_perplexity
         table.append(("perplexity", result.perplexity, q.max_perplexity, result.perplexity <= q.max_perplexity))
     if reference is not None:
-        ref = compare.reference_perplexity()
-        delta = compare.delta()
-        lo, hi = delta.ci_pct
-        kl = compare.mean_kl()
-        prompts = _agreement_prompts(q, engine.tokenizer, ids)
-        agreement, decode_kl = token_agreement(engine.backend, reference, prompts, q.agreement_tokens)
-        metrics.update({
-            "reference_perplexity": _round(ref),
-            "perplexity_increase_pct": _round(delta.pct, 4),
-            "perplexity_increase_se_pct": _round(delta.se_pct, 4),
-            "perplexity_increase_ci_pct": [_round(lo, 4), _round(hi, 4)],
-            "perplexity_increase_z": round(delta.z, 4),
-            "kl_divergence": _round(kl, 4),
-            "token_agreement": _round(agreement, 6),
-            "decode_kl_divergence": _round(decode_kl, 4),
-            "agreement_prompts": len(prompts),
-            "agreement_tokens": q.agreement_tokens,
-        })
-        if bound is not None:
-            bounds["max_perplexity_increase_pct"] = bound
-            verdict = decide_interval(lo, hi, bound)
-            metrics["perplexity_increase_verdict"] = verdict
-            notes["perplexity increase %"] = (f"{delta.pct:+.4f} +- {delta.se_pct:.4f} (se), 95% interval "
-                                              f"[{lo:+.4f}, {hi:+.4f}]: {VERDICTS[verdict]}")
-            table.append(("perplexity increase %", delta.pct, bound, verdict == "within"))
-        if q.max_kl_divergence is not None:
-            bounds["max_kl_divergence"] = q.max_kl_divergence
-            table.append(("KL divergence", kl, q.max_kl_divergence, kl <= q.max_kl_divergence))
-        if q.min_token_agreement is not None:
-            bounds["min_token_agreement"] = q.min_token_agreement
-            table.append(("token agreement (min)", agreement, q.min_token_agreement,
-                          agreement >= q.min_token_agreement))
+        prompts = _agreement_prompts(q, tokenizer, ids)
+        agreement, decode_kl = token_agreement(backend, reference, prompts, q.agreement_tokens)
+        _judge_against_reference(q, compare, agreement, decode_kl, len(prompts), metrics, bounds, table, notes)
     passed = all(ok for *_, ok in table)
     out = {"evaluated": True, "device": device, "metrics": metrics, "bounds": bounds, "passed": passed}
     if not passed:
@@ -352,6 +329,79 @@ def quality_gate(ctx: BuildContext) -> dict[str, Any]:
                          for name, m, a, ok in table)
         raise QualityGateError(f"quality gate failed:\n{rows}", table)
     return out
+
+
+def _not_evaluated(recipe: Recipe, eval_data: Any, why_not: str) -> dict[str, Any]:
+    """The gate's record where no device here runs the artifact (bounds only with quality.allow_unevaluated)."""
+    q = recipe.quality
+    check_gate_can_run(recipe)  # (build() ran it before any pass): bounds need allow_unevaluated
+    record = {"evaluated": False, "eval_data": eval_data, "bounds": q.bounds, "reason": why_not}
+    if q.bounds:
+        record["allowed_by"] = "quality.allow_unevaluated"
+        log.warning("quality: not evaluated (%s); bounds not checked: %s", why_not,
+                    ", ".join(f"{k} {v:g}" for k, v in q.bounds.items()))
+    return record
+
+
+def _open_staged(staging: Path, device: str) -> tuple[Any, Any]:
+    """The staged artifact's backend on `device` (its KV pool as runtime.json sizes it) and its tokenizer:
+    the runtime's own loading (files verified, runtime.json checked), without an engine around it."""
+    artifact = Artifact.open(staging, verify=True)
+    artifact.check_runtime(device=device)
+    return load_backend(artifact, None, None, device), Tokenizer(artifact.tokenizer_dir)
+
+
+def _score_eval_text(compare: _Comparison, ids: list[int], max_eval_tokens: int | None,
+                     bound: float | None) -> dict[str, Any]:
+    """Score the eval text's chunks: all of quality.max_eval_tokens, else a pilot and then as many chunks as
+    the perplexity-change bound needs (eval_size); returns how the size was chosen."""
+    chunks = chunk_tokens(ids, CHUNK_LEN, max_eval_tokens)
+    if not chunks:
+        raise BuildError(f"quality gate: the eval text has {len(ids)} tokens, fewer than one chunk of {CHUNK_LEN}")
+    if max_eval_tokens is not None:
+        compare.score(chunks)
+        return {"rule": "recipe: quality.max_eval_tokens", "chunks": len(chunks)}
+    compare.score(chunks[:PILOT_CHUNKS])
+    n, sizing = eval_size(compare.delta() if compare.model is not None else None, bound, len(chunks))
+    compare.score(chunks[PILOT_CHUNKS:n])
+    return sizing
+
+
+def _judge_against_reference(q: Any, compare: _Comparison, agreement: float, decode_kl: float, prompts: int,
+                             metrics: dict[str, Any], bounds: dict[str, float],
+                             table: list[tuple[str, float, float, bool]], notes: dict[str, str]) -> None:
+    """The comparisons with the unoptimised model: their metrics, and a row of `table` per bound set."""
+    ref = compare.reference_perplexity()
+    delta = compare.delta()
+    lo, hi = delta.ci_pct
+    kl = compare.mean_kl()
+    metrics.update({
+        "reference_perplexity": _round(ref),
+        "perplexity_increase_pct": _round(delta.pct, 4),
+        "perplexity_increase_se_pct": _round(delta.se_pct, 4),
+        "perplexity_increase_ci_pct": [_round(lo, 4), _round(hi, 4)],
+        "perplexity_increase_z": round(delta.z, 4),
+        "kl_divergence": _round(kl, 4),
+        "token_agreement": _round(agreement, 6),
+        "decode_kl_divergence": _round(decode_kl, 4),
+        "agreement_prompts": prompts,
+        "agreement_tokens": q.agreement_tokens,
+    })
+    bound = q.max_perplexity_increase_pct
+    if bound is not None:
+        bounds["max_perplexity_increase_pct"] = bound
+        verdict = decide_interval(lo, hi, bound)
+        metrics["perplexity_increase_verdict"] = verdict
+        notes["perplexity increase %"] = (f"{delta.pct:+.4f} +- {delta.se_pct:.4f} (se), 95% interval "
+                                          f"[{lo:+.4f}, {hi:+.4f}]: {VERDICTS[verdict]}")
+        table.append(("perplexity increase %", delta.pct, bound, verdict == "within"))
+    if q.max_kl_divergence is not None:
+        bounds["max_kl_divergence"] = q.max_kl_divergence
+        table.append(("KL divergence", kl, q.max_kl_divergence, kl <= q.max_kl_divergence))
+    if q.min_token_agreement is not None:
+        bounds["min_token_agreement"] = q.min_token_agreement
+        table.append(("token agreement (min)", agreement, q.min_token_agreement,
+                      agreement >= q.min_token_agreement))
 
 
 VERDICTS = {
@@ -406,8 +456,6 @@ def _missing_for_target(recipe: Recipe) -> str | None:
     """What this machine lacks to run the recipe's target (runtime.gpu.missing_for); None: nothing."""
     if recipe.target.device == "cpu":
         return None
-    from runtime.gpu import missing_for
-
     return missing_for(recipe.target.backend)
 
 
@@ -447,7 +495,6 @@ def _fp32_reference(ctx: BuildContext) -> Any:
         return reference
     import torch
 
-    from compiler.checkpoint import load_weights
     from compiler.models.llama import LlamaForwardBatchModel
 
     model = LlamaForwardBatchModel(ctx.checkpoint.config, ctx.recipe.runtime.kv_block_size)
@@ -493,8 +540,6 @@ class _Comparison:
 
     def score(self, chunks: list[list[int]]) -> None:
         """Score more chunks (each `chunk_len` tokens) with the artifact and the reference."""
-        from runtime.evaluate import perplexity
-
         for c0 in range(0, len(chunks), self.group):
             part = [t for c in chunks[c0:c0 + self.group] for t in c]
             r = perplexity(self, part, self.chunk_len)
@@ -503,16 +548,12 @@ class _Comparison:
 
     def result(self, tokens: int) -> Any:
         """The artifact's perplexity over the chunks scored so far (`tokens`: of the text read)."""
-        from runtime.evaluate import PerplexityResult
-
         mean = sum(self._chunk_nll) / len(self._chunk_nll)  # chunks of equal length: the mean over tokens
         return PerplexityResult(math.exp(mean), mean, tokens, len(self._chunk_nll),
                                 len(self._chunk_nll) * (self.chunk_len - 1), tuple(self._chunk_nll))
 
     def perplexity(self, ids: list[int], max_tokens: int | None) -> Any:
         """Score the chunks of the first `max_tokens` tokens of `ids` (None: all); the artifact's perplexity."""
-        from runtime.evaluate import chunk_tokens
-
         chunks = chunk_tokens(ids, self.chunk_len, max_tokens)
         if not chunks:
             raise BuildError(f"quality gate: the eval text has {len(ids)} tokens, fewer than one chunk of "
@@ -521,7 +562,6 @@ class _Comparison:
         return self.result(min(len(ids), max_tokens or len(ids)))
 
     def _score_reference(self) -> None:
-        import numpy as np
         import torch
 
         for fb, logits in self._batches:
@@ -545,8 +585,6 @@ class _Comparison:
 
     def delta(self) -> Any:
         """The paired perplexity change (runtime.evaluate.PairedDelta) over the chunks scored so far."""
-        from runtime.evaluate import paired_delta
-
         return paired_delta(self._chunk_nll, self._ref_chunk_nll)
 
     def mean_kl(self) -> float:
@@ -587,10 +625,7 @@ def token_agreement(backend: Any, model: Any, prompts: list[list[int]], n: int) 
     cache, fed the reference's tokens (teacher forcing), so every step is compared on the same
     context; agreement = fraction of steps whose argmax equals the reference's token.
     """
-    import numpy as np
     import torch
-
-    from runtime.forward_batch import ForwardBatch
 
     b = len(prompts)
     bs = backend.block_size
@@ -771,8 +806,6 @@ def build(recipe_path: str | Path, progress: bool = True, output: str | Path | N
 
 def _timed_source_sha256(info: CheckpointInfo, stop: threading.Event) -> tuple[str, float]:
     """(source_sha256 of the checkpoint, seconds it took); stops early (HashStopped) once `stop` is set."""
-    from compiler.checkpoint import source_sha256
-
     t = time.perf_counter()
     return source_sha256(info, stop), time.perf_counter() - t
 
@@ -794,12 +827,6 @@ def _remove_stale_staging(parent: Path, version: str) -> None:
 
 def _build_draft(recipe: Recipe, out_root: Path, autotune: bool, force: bool = False) -> Path:
     """Build the recipe's draft model (module doc) into <out_root>/<name>-draft/<version>."""
-    import tempfile
-
-    import yaml
-
-    from compiler.draft import truncate_checkpoint
-
     spec = recipe.speculative
     assert spec is not None
     check_version_unused(out_root, f"{recipe.name}-draft", recipe.version)
@@ -833,9 +860,6 @@ def _build_draft(recipe: Recipe, out_root: Path, autotune: bool, force: bool = F
 
 def _pairing(recipe: Recipe, staging: Path, manifest: dict[str, Any], draft: Path, final: Path) -> dict[str, Any]:
     """The target manifest's `speculative` record; BuildError when the draft's tokenizer is not the target's."""
-    from runtime.artifact import Artifact, ArtifactError, read_manifest, sha256_file
-    from runtime.draft import check_pairing
-
     spec = recipe.speculative
     assert spec is not None
     try:
@@ -881,8 +905,6 @@ def _manifest(ctx: BuildContext, src_sha: str, pass_records: list[dict[str, Any]
 def _progress(enabled: bool) -> Any:
     if not enabled:
         return nullcontext(None)
-    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
     return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
                     transient=True)
 

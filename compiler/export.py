@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from compiler.context import BuildError
+from compiler.streamed import STREAMED_LOCATION, register
 
 log = logging.getLogger(__name__)
 
@@ -145,8 +146,6 @@ def defer_initializers(ir_model: Any, deferred: dict[str, tuple[int, Any]], max_
     folded transpose) and cannot be streamed: BuildError."""
     import onnx_ir as ir
     import torch
-
-    from compiler.streamed import STREAMED_LOCATION, register
 
     by_ptr = {ptr: (name, d) for name, (ptr, d) in deferred.items()}
     replaced = 0

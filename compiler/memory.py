@@ -13,12 +13,19 @@ torch, onnx and ONNX Runtime imported, measured on the build machine kind.
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import logging
 import math
 import os
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from compiler.checkpoint import _DTYPE_BYTES
+from compiler.quant.common import SEQUENTIAL_ROLES, matches, module_of, sequential_steps
+from compiler.recipe import DEFAULT_CALIBRATION_SAMPLES
+from compiler.streamed import CHUNK_BYTES
 
 if TYPE_CHECKING:  # pragma: no cover
     from compiler.checkpoint import CheckpointInfo
@@ -71,8 +78,6 @@ def return_freed_memory() -> None:
     """Make glibc's malloc give freed blocks back to the kernel: blocks of 256 KiB and more mapped on their own
     (a fixed threshold: glibc otherwise raises it after the first free, and a build's freed tensors and protobuf
     buffers then stay in the heap, resident) and free heap pages trimmed. No-op without glibc."""
-    import ctypes
-
     try:
         libc = ctypes.CDLL("libc.so.6")
         libc.mallopt(-3, 256 << 10)  # M_MMAP_THRESHOLD
@@ -83,9 +88,6 @@ def return_freed_memory() -> None:
 
 def trim_heap() -> None:
     """Collect garbage and hand free heap pages back to the kernel (glibc's malloc_trim); after each pass."""
-    import ctypes
-    import gc
-
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -128,8 +130,6 @@ class RssSampler:
 
 def _quantized_bytes(info: CheckpointInfo, passes: list[Any]) -> tuple[int, int]:
     """(parameters, stored bytes) of the weights a weight-quantize pass of `passes` replaces."""
-    from compiler.quant.common import module_of
-
     sizers = [ps for ps in passes if hasattr(ps, "estimated_bytes")]
     params = stored = 0
     for name, (_dtype, shape) in info.tensors.items():
@@ -157,9 +157,6 @@ def _calibration_terms(recipe: Recipe, info: CheckpointInfo) -> dict[str, int]:
     bytes: `weights` one decoder layer in float32, `hidden` the calibration tokens' hidden states (float32),
     `forward` the layer's forward activations of one batch, `embed` the embedding read whole (float32 and
     the checkpoint's copy) for the hidden states; `batch` and `tokens` in tokens."""
-    from compiler.checkpoint import _DTYPE_BYTES
-    from compiler.recipe import DEFAULT_CALIBRATION_SAMPLES
-
     cal = recipe.calibration
     tokens = (cal.num_samples or DEFAULT_CALIBRATION_SAMPLES) * cal.seq_len if cal is not None else 0
     cfg = info.config
@@ -183,7 +180,6 @@ def gptq_streamed_bytes(recipe: Recipe, info: CheckpointInfo, options: Any) -> i
     hidden) and in down_proj's (its input, T x intermediate, float32); or,
     before the layers, the embedding table read whole (float32 and the checkpoint's copy) beside the hidden
     states, where that is more."""
-    from compiler.quant.common import SEQUENTIAL_ROLES, sequential_steps
     from compiler.quant.gptq import ADD_ROWS
 
     t = _calibration_terms(recipe, info)
@@ -253,8 +249,6 @@ def fp8_streamed_bytes(recipe: Recipe, info: CheckpointInfo, options: Any) -> in
     of a batch and one Linear's quantization (FP8_QUANTIZE_WORK x its float32 size); or, before the layers, the
     embedding read whole beside the hidden states (and its quantization, where it is not ignored), where that
     is more."""
-    from compiler.quant.common import matches
-
     if options.activations != "static":
         return 0
     t = _calibration_terms(recipe, info)
@@ -380,9 +374,6 @@ def package_streamed_bytes(info: CheckpointInfo, passes: list[Any], chunked: boo
     rows of a large float tensor it writes as the checkpoint holds it (the embedding, a kept lm_head:
     streamed.written_in_chunks; the chunk read and converted, 2 x CHUNK_BYTES). `chunked` False: model.pt2
     (compiler/streamed_pt2.py), whose records are written whole."""
-    from compiler.quant.common import module_of
-    from compiler.streamed import CHUNK_BYTES
-
     sizers = [ps for ps in passes if hasattr(ps, "estimated_bytes")]
     worst = 0
     for name, (_dtype, shape) in info.tensors.items():

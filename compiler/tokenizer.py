@@ -21,6 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tokenizers import Tokenizer as HFTokenizer
+
+from runtime.tokenizer import Tokenizer
+
 log = logging.getLogger(__name__)
 
 TOKENIZER_SOURCES = ("transformers", "file")
@@ -87,9 +91,7 @@ def _transformers() -> Any:
 
 def _canonical(tokenizer_json: str) -> dict[str, Any]:
     """The pipeline as tokenizers serialises it, so that defaults left out of a file compare equal."""
-    from tokenizers import Tokenizer
-
-    return json.loads(Tokenizer.from_str(tokenizer_json).to_str())
+    return json.loads(HFTokenizer.from_str(tokenizer_json).to_str())
 
 
 def _special(value: Any) -> str | None:
@@ -176,8 +178,6 @@ def _difference(index: int, text: str, special: bool, got: list[int], want: list
 def check_parity(folder: Path, hf: Any, texts: list[str]) -> dict[str, int]:
     """Encode `texts` with the runtime's Tokenizer from `folder` and with transformers' `hf`, with and
     without special tokens; TokenizerParityError at the first differing id. Returns the sample's size."""
-    from runtime.tokenizer import Tokenizer
-
     runtime_tok = Tokenizer(folder)
     tokens = 0
     for index, text in enumerate(texts):

@@ -16,6 +16,7 @@ import hashlib
 import json
 import logging
 import math
+import mmap
 import os
 import re
 from dataclasses import dataclass
@@ -434,8 +435,6 @@ def _rotary_rows(model_file: Path) -> int | None:
     skipping every other field, so the serving side needs no `onnx` package."""
     if model_file.suffix != ".onnx" or not model_file.is_file():
         return None
-    import mmap
-
     try:
         with open(model_file, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
             for field_no, start, end in _pb_fields(buf, 0, len(buf)):

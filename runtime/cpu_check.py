@@ -27,6 +27,10 @@ from typing import Any
 
 import numpy as np
 
+from runtime.backends.onnxruntime import OnnxRuntimeBackend
+from runtime.forward_batch import ForwardBatch
+from runtime.kernels import paged_attention_cpu as pk
+
 log = logging.getLogger(__name__)
 
 DECODE_TOKENS = 128
@@ -100,10 +104,6 @@ def retune(model_path: Path, config: dict[str, Any], threads: int | None) -> tup
     past of min(255, max_model_len - 1) and one prefill of min(128, max_model_len) tokens through the
     runtime's backend (median of 5 each, paths alternating); score = prefill + DECODE_TOKENS x decode (ms).
     Returns (path, {path: score})."""
-    from runtime.backends.onnxruntime import OnnxRuntimeBackend
-    from runtime.forward_batch import ForwardBatch
-    from runtime.kernels import paged_attention_cpu as pk
-
     paths = pk.kernel_paths()["available"]
     bs = int(config["kv_cache"]["block_size"])
     max_len = int(config["scheduler"]["max_model_len"])

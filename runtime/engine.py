@@ -25,7 +25,9 @@ import numpy as np
 from runtime.artifact import Artifact, ArtifactError
 from runtime.backends import load_backend
 from runtime.core import CORE_IMPL, RNG, Scheduler, SchedulerConfig
+from runtime.cpu_check import bf16_line, int8_warning, isa_warning, retune
 from runtime.draft import DraftModel, paired_draft
+from runtime.oci import is_reference, resolve_artifact
 from runtime.sampling import Sampler, SamplingParams, make_generator
 from runtime.speculative import SpeculativeConfig, ngram_propose, verify_greedy, verify_sampled
 from runtime.structured import Grammars, mask_words
@@ -209,8 +211,6 @@ class LLMEngine:
 
     def _retune(self, threads: int | None, device: str | None) -> str | None:
         """--retune: the fastest code path of the C ops for this artifact here (None: nothing to choose)."""
-        from runtime.cpu_check import retune
-
         cfg = self.artifact.runtime_config
         uses_ops = cfg["graph"].get("kv_write") == "graph" or "optimize" in cfg["graph"].get("custom_op_domains", [])
         if cfg.get("backend") != "onnxruntime" or (device or cfg.get("device", "cpu")) != "cpu" or not uses_ops:
@@ -226,8 +226,6 @@ class LLMEngine:
     def _report_kernel_paths(self) -> None:
         """Log where this CPU's code path differs from the one the build's autotune measured on, how
         bfloat16 products run here, and full-range int8 weights on a CPU without an int8 dot product."""
-        from runtime.cpu_check import bf16_line, int8_warning, isa_warning
-
         paths = getattr(self.backend, "kernel_paths", None)
         if not paths:
             return
@@ -672,8 +670,6 @@ class LLM:
                  **engine_kwargs: Any) -> None:
         """`artifact`: a folder, or a reference (oci://HOST/REPO:TAG, file:///DIR/REPO:TAG) pulled or reused
         from the cache and verified first; `require_signature`: a public key the reference must be signed by."""
-        from runtime.oci import is_reference, resolve_artifact
-
         if is_reference(artifact) or require_signature is not None:
             key = Path(require_signature) if require_signature is not None else None
             artifact = resolve_artifact(artifact, insecure=insecure, require_signature=key)

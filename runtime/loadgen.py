@@ -34,6 +34,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from runtime.metrics import parse_prometheus
+
 __all__ = ["BenchConfig", "RequestResult", "format_table", "parse_goodput", "percentile", "run_bench"]
 
 _WORDS = ("def return self value import from class if else for while in range len list dict str int "
@@ -352,8 +354,6 @@ _SPEC_PREFIX = "optimize_spec_decode_"
 async def _spec_counters(session: Any, base: str, headers: dict[str, str]) -> dict[str, float] | None:
     """The server's speculative-decoding counters from /metrics (name{position} -> value), or None when
     it has none (another server, or /metrics unreachable)."""
-    from runtime.metrics import parse_prometheus
-
     try:
         async with session.get(f"{base}/metrics", headers=headers) as resp:
             if resp.status != 200:

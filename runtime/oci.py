@@ -32,6 +32,7 @@ import contextlib
 import fcntl
 import hashlib
 import http.client
+import io
 import json
 import logging
 import os
@@ -45,6 +46,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
+
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from runtime.artifact import MANIFEST, ArtifactError, read_manifest, sha256_file, verify_artifact
 
@@ -547,8 +551,6 @@ class LayoutStore:
             self._store(fh, digest)
 
     def put_blob_bytes(self, data: bytes) -> str:
-        import io
-
         digest = _sha(data)
         if not self.has_blob(digest):
             self._store(io.BytesIO(data), digest)
@@ -681,9 +683,6 @@ def publish(artifact: Path, ref: str | Reference, *, insecure: bool = False,
 
 
 def _load_private_key(path: Path) -> Any:
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-
     try:
         key = serialization.load_pem_private_key(Path(path).read_bytes(), password=None)
     except (OSError, ValueError, TypeError) as exc:
@@ -694,9 +693,6 @@ def _load_private_key(path: Path) -> Any:
 
 
 def _load_public_key(path: Path) -> Any:
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
-
     try:
         key = serialization.load_pem_public_key(Path(path).read_bytes())
     except (OSError, ValueError, TypeError) as exc:
@@ -707,17 +703,12 @@ def _load_public_key(path: Path) -> Any:
 
 
 def _key_id(public_key: Any) -> str:
-    from cryptography.hazmat.primitives import serialization
-
     raw = public_key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
     return _sha(raw)
 
 
 def keygen(private_path: Path, public_path: Path) -> str:
     """Write a new Ed25519 key pair (PEM; the private key mode 0600); return the key id."""
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-
     for p in (private_path, public_path):
         if Path(p).exists():
             raise SignatureError(f"{p} already exists; refusing to overwrite a key")

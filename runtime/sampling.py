@@ -29,6 +29,8 @@ from typing import Literal, overload
 
 import numpy as np
 
+import runtime.core
+from runtime.core import _core, reference
 from runtime.core.reference import RNG, make_rng
 from runtime.structured import StructuredOutput
 
@@ -126,12 +128,8 @@ def make_generator(seed: int | None) -> RNG:
 
 def _core_functions(impl: str) -> tuple[object, object]:
     if impl == "python":
-        from runtime.core import reference
-
         return reference.sample, reference.sample_probs
     if impl == "c":
-        from runtime.core import _core
-
         return _core.sample, _core.sample_probs
     raise ValueError(f"Sampler impl must be 'c' or 'python', got {impl!r}")
 
@@ -154,8 +152,6 @@ class Sampler:
 
     def __init__(self, impl: str | None = None) -> None:
         if impl is None:
-            import runtime.core
-
             impl = runtime.core.CORE_IMPL
         self._sample, self._probs = _core_functions(impl)
         self.impl = impl

@@ -11,13 +11,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from tokenizers import Tokenizer as HFTokenizer
+
 from runtime.artifact import ArtifactError
 
 
 def load_tokenizer(folder: Path) -> Any:
     """tokenizers' Tokenizer from folder/tokenizer.json; ArtifactError when it is missing or garbage."""
-    from tokenizers import Tokenizer as HFTokenizer
-
     path = folder / "tokenizer.json"
     try:
         tok = HFTokenizer.from_file(str(path))

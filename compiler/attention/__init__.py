@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from runtime.kernels import FLASHINFER_HEAD_DIMS
+from runtime.kernels.paged_attention_cpu import KernelLibraryError, library_path
 
 VARIANTS = ("decomposed", "gqa", "paged_cpu", "paged_attention", "triton", "flashinfer")
 
@@ -181,8 +182,6 @@ def _paged_cpu(backend: str, device: str, dtype: str, kv_cache_dtype: str | None
     if kv_cache_dtype not in (None, "int8"):
         return Candidate("paged_cpu", False, f"KV cache {kv_cache_dtype}: the kernel reads and writes float32 or int8 "
                          "pools (FP8 pools are the decomposed and gqa paths' rewrite)")
-    from runtime.kernels.paged_attention_cpu import KernelLibraryError, library_path
-
     try:
         library_path()
     except KernelLibraryError as e:

@@ -32,6 +32,12 @@ from typing import Any
 
 import numpy as np
 
+from compiler.attention import kv_write
+from compiler.export import export_forward_batch, lower_exported
+from runtime.backends.onnxruntime import OnnxRuntimeBackend
+from runtime.forward_batch import ForwardBatch
+from runtime.kernels.paged_attention_cpu import KernelLibraryError, kernel_paths
+
 TOLERANCE = 1e-3
 DECODE_TOKENS = 128  # output tokens per request in the score
 
@@ -59,8 +65,6 @@ def tuning_config(cfg: Any) -> Any:
 
 
 def _batch(spec: dict[str, Any], block_size: int, vocab: int, rng: np.random.Generator, first_block: int) -> Any:
-    from runtime.forward_batch import ForwardBatch
-
     b, past, new = spec["batch"], spec["past"], spec["new"]
     per_seq = -(-(past + new) // block_size)
     table = (first_block + np.arange(b * per_seq, dtype=np.int32)).reshape(b, per_seq)
@@ -75,8 +79,6 @@ def _batch(spec: dict[str, Any], block_size: int, vocab: int, rng: np.random.Gen
 
 def _mixed_batch(block_size: int, vocab: int, rng: np.random.Generator) -> Any:
     """Prefill without past, chunks with past, decode tokens; blocks out of order."""
-    from runtime.forward_batch import ForwardBatch
-
     past, new = [0, 37, 70, 5, 16], [20, 13, 1, 1, 16]
     need = [-(-(p + n) // block_size) for p, n in zip(past, new, strict=True)]
     perm = rng.permutation(sum(need)).astype(np.int32)
@@ -98,7 +100,6 @@ def build_candidate(cfg: Any, block_size: int, variant: str, opset: int = 21) ->
     """One-layer ModelProto of `variant` (seeded random weights: the same for every variant)."""
     import torch
 
-    from compiler.export import export_forward_batch, lower_exported
     from compiler.models.llama import LlamaForwardBatchModel
 
     torch.manual_seed(0)
@@ -116,10 +117,6 @@ def autotune(cfg: Any, block_size: int, max_model_len: int, variants: list[str],
              min_runs: int = 5, tolerance: float = TOLERANCE, progress: Any = None) -> dict[str, Any]:
     """Time each variant on the shapes; returns {"shapes", "results": {variant: {...}}, "fastest"}."""
     import onnx
-
-    from compiler.attention import kv_write
-    from runtime.backends.onnxruntime import OnnxRuntimeBackend
-    from runtime.forward_batch import ForwardBatch  # noqa: F401 - the backend's contract
 
     tcfg = tuning_config(cfg)
     specs = shapes(max_model_len)
@@ -182,8 +179,6 @@ def autotune(cfg: Any, block_size: int, max_model_len: int, variants: list[str],
         backends.clear()
     cpu_paths = None
     try:  # the code path the package's C ops ran on (the paged_cpu candidate's kernel), when it is built
-        from runtime.kernels.paged_attention_cpu import KernelLibraryError, kernel_paths
-
         cpu_paths = kernel_paths()
     except (KernelLibraryError, OSError):
         pass

@@ -37,6 +37,7 @@ from onnxscript import opset21 as op
 from onnxscript.values import Op, Opset
 
 from compiler.attention.schema import onnx_schema
+from runtime.kernels.paged_attention_cpu import DOMAIN, OP_TYPE
 
 _MSFT = Opset("com.microsoft", 1)
 # ONNX itself has no schema for the contrib ops: ONNX Runtime's registered one (schema.py) stands in.
@@ -46,8 +47,6 @@ GroupQueryAttention = Op(_MSFT, "GroupQueryAttention", onnx_schema("GroupQueryAt
 def optimize_schema() -> Any:
     """onnx.defs.OpSchema of optimize.PagedAttention (runtime/kernels/paged_attention_cpu.c)."""
     from onnx import defs
-
-    from runtime.kernels.paged_attention_cpu import DOMAIN, OP_TYPE
 
     def param(name: str, type_str: str) -> Any:
         return defs.OpSchema.FormalParameter(name, type_str, "")

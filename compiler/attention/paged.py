@@ -12,14 +12,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from compiler.attention.schema import validate_model
+from compiler.checkpoint import inspect_checkpoint, load_weights
+from compiler.export import export_forward_batch, lower_exported
+
 
 def paged_attention_model(checkpoint: str | Path, block_size: int = 16, dtype: str = "float16",
                           opset: int = 21) -> Any:
     """ModelProto of the checkpoint (its weights) with PagedAttention attention, in `dtype`."""
     import torch
 
-    from compiler.checkpoint import inspect_checkpoint, load_weights
-    from compiler.export import export_forward_batch, lower_exported
     from compiler.models.llama import LlamaForwardBatchModel
 
     info = inspect_checkpoint(Path(checkpoint))
@@ -34,6 +36,4 @@ def paged_attention_model(checkpoint: str | Path, block_size: int = 16, dtype: s
 
 def validate_paged_attention(model: Any) -> dict[str, Any]:
     """Every PagedAttention node against ONNX Runtime's schema; {"nodes", "typed_inputs", "problems"}."""
-    from compiler.attention.schema import validate_model
-
     return validate_model(model, "PagedAttention")

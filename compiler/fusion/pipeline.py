@@ -14,6 +14,8 @@ import onnx
 
 from compiler.fusion import RULES
 from compiler.fusion.graph import MS_DOMAIN, FusionGraph, RuleReport
+from compiler.streamed import checkable, is_streamed, streamed_count
+from runtime.kernels.paged_attention_cpu import register, uses_kernel
 
 IMPLEMENTATION = {
     "rms_norm": "onnxscript.rewriter.ort_fusions.rms_normalization",
@@ -144,8 +146,6 @@ def _onnxscript_rules(model: onnx.ModelProto, enabled: list[str], reports: dict[
     import onnx_ir as ir
 
     from compiler.fusion.norm import fuse_rms, fuse_skip_rms
-    from compiler.streamed import is_streamed
-
     irm = ir.serde.deserialize_model(model)
     if "rms_norm" in enabled:
         reports["rms_norm"].fired = fuse_rms(irm)
@@ -202,8 +202,6 @@ def check_model(model: onnx.ModelProto, onnxruntime_session: bool = True) -> dic
     the default domain, is checked as a contrib op. Raises on failure; returns what was checked."""
     if model.ByteSize() >= 2**31 - 1:  # protobuf limit: both checks need the model serialized in memory
         return {"skipped": "model over 2 GiB in memory: onnx.checker and the session check need a file"}
-    from compiler.streamed import checkable, streamed_count
-
     with _contrib_domain(model):
         onnx.checker.check_model(checkable(model), full_check=True)
     out: dict[str, Any] = {"onnx_checker": "full_check (contrib ops: not in onnx's schema set)"}
@@ -211,8 +209,6 @@ def check_model(model: onnx.ModelProto, onnxruntime_session: bool = True) -> dic
         out["onnxruntime_session"] = "loaded by package from the written artifact (streamed weights)"
         return out
     if onnxruntime_session:
-        from runtime.kernels.paged_attention_cpu import uses_kernel
-
         load_in_cpu_session(model.SerializeToString(), uses_kernel(model))
         out["onnxruntime_session"] = "loads (CPUExecutionProvider)"
     return out
@@ -225,8 +221,6 @@ def load_in_cpu_session(source: str | bytes, kernel: bool, prepack: bool = True)
     the check of a written artifact costs about no memory whatever its size (the graph, its types and shapes,
     and every node's kernel, custom ops included, are still created)."""
     import onnxruntime as ort
-
-    from runtime.kernels.paged_attention_cpu import register
 
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL

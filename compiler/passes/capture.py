@@ -12,8 +12,10 @@ import logging
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
+from compiler.checkpoint import lazy_weights
 from compiler.export import export_forward_batch
 from compiler.passes.base import BuildContext, BuildError, Pass
+from compiler.streamed import Deferred
 from compiler.targets import supported, target_for
 
 log = logging.getLogger(__name__)
@@ -48,8 +50,6 @@ def deferred_params(model: Any, weights: Any, dtype: Any) -> dict[str, tuple[int
 
     from compiler.models.llama import hf_value
     from compiler.quant.onnx_rules import torch_to_numpy
-    from compiler.streamed import Deferred
-
     cfg = model.cfg
     np_dtype = torch_to_numpy(torch.zeros(0, dtype=dtype), dtype).dtype
     out: dict[str, tuple[int, Any]] = {}
@@ -79,7 +79,6 @@ class CapturePass(Pass):
     def run(self, ctx: BuildContext) -> dict[str, Any]:
         import torch
 
-        from compiler.checkpoint import lazy_weights
         from compiler.models.llama import LlamaForwardBatchModel
 
         target = ctx.recipe.target

@@ -21,6 +21,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from compiler.attention.paged import validate_paged_attention
+from compiler.fusion import RULES, check_model, fuse_model
 from compiler.passes.base import BuildContext, BuildError, Pass
 
 log = logging.getLogger(__name__)
@@ -33,16 +35,12 @@ class FuseOptions:
     check_onnxruntime: bool = True  # load the fused model in an ONNX Runtime session (CPU) as a check
 
     def __post_init__(self) -> None:
-        from compiler.fusion import RULES
-
         for key, names in (("rules", self.rules or []), ("disable", self.disable)):
             unknown = [n for n in names if n not in RULES]
             if unknown:
                 raise ValueError(f"{key}: unknown rule(s) {unknown}; known: {list(RULES)}")
 
     def enabled(self) -> list[str]:
-        from compiler.fusion import RULES
-
         chosen = RULES if self.rules is None else tuple(self.rules)
         return [r for r in RULES if r in chosen and r not in self.disable]
 
@@ -61,8 +59,6 @@ class FusePass(Pass):
         return None
 
     def run(self, ctx: BuildContext) -> dict[str, Any]:
-        from compiler.fusion import check_model, fuse_model
-
         names = [p.name for p in ctx.recipe.passes]
         if "lower_quant" in names and "lower_quant" not in ctx.completed:
             raise BuildError("pass 'fuse' must come after 'lower_quant' (it fuses the lowered, quantized graph)")
@@ -78,8 +74,6 @@ class FusePass(Pass):
         except Exception as e:
             raise BuildError(f"fuse: the fused graph fails its check: {str(e).splitlines()[0]}") from e
         if cuda_only:
-            from compiler.attention.paged import validate_paged_attention
-
             result = validate_paged_attention(fused)
             if result["problems"]:
                 raise BuildError(f"fuse: PagedAttention nodes break ONNX Runtime's schema: {result['problems'][:3]}")

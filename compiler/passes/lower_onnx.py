@@ -14,6 +14,8 @@ from typing import Any, ClassVar
 
 from compiler.export import graph_io_names, lower_exported
 from compiler.passes.base import BuildContext, BuildError, Pass
+from compiler.passes.capture import STREAM_MAX_LOADED, attention_variant
+from compiler.streamed import streamed_count
 
 log = logging.getLogger(__name__)
 
@@ -35,15 +37,10 @@ class LowerOnnxPass(Pass):
     def run(self, ctx: BuildContext) -> dict[str, Any]:
         import onnx
 
-        from compiler.passes.capture import attention_variant
-
         if self.config.opset < 21:
             raise BuildError(f"lower_onnx: opset {self.config.opset} < 21 is not supported")
         exported = ctx.require("exported", self.name)
         inputs, outputs = graph_io_names(ctx.checkpoint.config.num_layers)
-        from compiler.passes.capture import STREAM_MAX_LOADED
-        from compiler.streamed import streamed_count
-
         deferred = ctx.artifacts.get("deferred_params")
         model = lower_exported(exported, ctx.checkpoint.config.num_layers, self.config.opset, self.config.optimize,
                                attention_variant(ctx), deferred, STREAM_MAX_LOADED)

@@ -22,7 +22,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from compiler.export import export_forward_batch
 from compiler.passes.base import BuildContext, BuildError, Pass
+from compiler.streamed import Deferred
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +36,6 @@ def stored_tensor(value: Any, dtype: Any, deferred: list[tuple[str, Any, Any]], 
     for a streamed weight's Deferred an unwritten tensor of its shape (never resident) recorded in `deferred` as
     (name, tensor, Deferred), which package computes and writes when it writes model.pt2."""
     import torch
-
-    from compiler.streamed import Deferred
 
     if isinstance(value, Deferred):
         t = torch.empty(value.shape, dtype=dtype)
@@ -76,7 +76,6 @@ def int4_linear_module(q: Any, bias: Any, dtype: Any, deferred: list[tuple[str, 
     import torch
 
     from compiler.quant.int4 import pack_nibbles
-    from compiler.streamed import Deferred
     from runtime.backends import torch_ops
 
     pending = [] if deferred is None else deferred
@@ -128,8 +127,6 @@ class LowerQuantTorchPass(Pass):
 
     def run(self, ctx: BuildContext) -> dict[str, Any]:
         import torch
-
-        from compiler.export import export_forward_batch
 
         st = ctx.artifacts.get("quant")
         model = ctx.require("model", self.name)

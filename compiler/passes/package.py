@@ -16,8 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
+from compiler import streamed
 from compiler.attention import kv_write
+from compiler.export import graph_io_names
 from compiler.passes.base import BuildContext, BuildError, Pass
+from compiler.streamed_pt2 import deferred_by_storage, save_program
+from compiler.tokenizer import TokenizerParityError, write_tokenizer
+from runtime.kernels.paged_attention_cpu import uses_kernel
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +44,6 @@ class PackageOptions:
 
 def runtime_config(ctx: BuildContext) -> dict[str, Any]:
     """runtime.json: serving defaults from the recipe plus the model facts the runtime needs."""
-    from compiler.export import graph_io_names
-
     cfg = ctx.checkpoint.config
     rt = ctx.recipe.runtime
     inputs, outputs = graph_io_names(cfg.num_layers)
@@ -113,8 +116,6 @@ class PackagePass(Pass):
         return None
 
     def run(self, ctx: BuildContext) -> dict[str, Any]:
-        from compiler.tokenizer import TokenizerParityError, write_tokenizer
-
         out = ctx.staging
         out.mkdir(parents=True, exist_ok=True)
         # the tokenizer (transformers' resolution and the parity check) on a thread while the model is written
@@ -149,8 +150,6 @@ class PackagePass(Pass):
             exported = ctx.require("exported", self.name)
             deferred = ctx.artifacts.get("deferred_params")
             if deferred:  # a streamed build: each weight computed and written in turn
-                from compiler.streamed_pt2 import deferred_by_storage, save_program
-
                 extra["streamed_tensors"] = save_program(exported, out / TORCH_MODEL_FILE,
                                                          deferred_by_storage(deferred))
             else:
@@ -162,9 +161,6 @@ class PackagePass(Pass):
             model_file, weights_file = ENGINE_FILE, ENGINE_FILE
         else:
             import onnx
-
-            from compiler import streamed
-            from runtime.kernels.paged_attention_cpu import uses_kernel
 
             model = ctx.require("onnx", self.name)
             if streamed.streamed_count(model):  # weights computed and written one tensor at a time

@@ -40,6 +40,7 @@ captured on a GPU build of the same recipe).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -48,6 +49,9 @@ import numpy as np
 
 from compiler.passes.base import BuildContext, BuildError, Pass
 from compiler.streamed import deferred_of, streamed_count
+from compiler.targets import target_for
+from runtime.backends.pytorch import callable_program
+from runtime.kernels.paged_attention_cpu import register, uses_kernel
 
 log = logging.getLogger(__name__)
 
@@ -188,8 +192,6 @@ def _run_buckets(model: Any, buckets: list[int], width: int, block_size: int, vo
     from onnx import TensorProto
     from onnxruntime.capi.onnxruntime_pybind11_state import NotImplemented as NotImplementedError_
 
-    from runtime.kernels.paged_attention_cpu import register, uses_kernel
-
     so = ort.SessionOptions()
     so.log_severity_level = 3
     if uses_kernel(model):
@@ -280,11 +282,7 @@ def _run_buckets_torch(exported: Any, buckets: list[int], width: int, block_size
     build, whose weights are not in memory): the program runs on fake tensors (FakeTensorMode: shapes, dtypes
     and the custom ops' fake kernels, no values; an op that needs a value to know a shape fails there), so
     the weights are never read."""
-    import contextlib
-
     import torch
-
-    from runtime.backends.pytorch import callable_program
 
     program = callable_program(exported)
     dtype = next((p.dtype for p in exported.state_dict.values() if p.is_floating_point()), torch.float32)
@@ -332,8 +330,6 @@ class PlanCudaGraphsPass(Pass):
     summary = "decode buckets for CUDA graphs; checks static shapes per bucket and no host synchronisation"
 
     def check_recipe(self, recipe: Any) -> tuple[str, str] | None:
-        from compiler.targets import target_for
-
         target = target_for(recipe.target.backend, recipe.target.device)
         names = [p.name for p in recipe.passes]
         if target is not None and target.onnx and "lower_onnx" not in names[:names.index(self.name)]:

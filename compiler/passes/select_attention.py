@@ -27,7 +27,10 @@ import logging
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
+from compiler.attention import KERNELS, Candidate, attention_kind, candidates
+from compiler.attention.autotune import autotune
 from compiler.passes.base import BuildContext, BuildError, Pass
+from compiler.passes.quantize_kv_cache import KvCacheOptions
 
 log = logging.getLogger(__name__)
 
@@ -74,15 +77,11 @@ class SelectAttentionPass(Pass):
         return None
 
     def run(self, ctx: BuildContext) -> dict[str, Any]:
-        from compiler.attention import KERNELS, attention_kind, candidates
-
         if "capture" in ctx.completed:
             raise BuildError("select_attention must come before capture (capture builds the chosen variant)")
         cfg = ctx.checkpoint.config
         t = ctx.recipe.target
         names = [p.name for p in ctx.recipe.passes]
-        from compiler.passes.quantize_kv_cache import KvCacheOptions
-
         kv = next((KvCacheOptions(**p.options).dtype for p in ctx.recipe.passes if p.name == "quantize_kv_cache"), None)
         cands = candidates(cfg, t.backend, t.device, t.dtype, names, kv_cache_dtype=kv)
         valid = [c.variant for c in cands if c.valid]
@@ -127,9 +126,6 @@ class SelectAttentionPass(Pass):
         return stats
 
     def _autotune(self, ctx: BuildContext, valid: list[str], cands: list[Any]) -> tuple[str, str]:
-        from compiler.attention import Candidate
-        from compiler.attention.autotune import autotune
-
         rt = ctx.recipe.runtime
         cfg = ctx.checkpoint.config
         order = ["decomposed"] + [v for v in valid if v != "decomposed"]  # the reference for the numeric check

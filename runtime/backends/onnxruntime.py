@@ -11,15 +11,19 @@ for any other whose runtime.json lists the `optimize` domain (graph.custom_op_do
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import platform
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from runtime.backends import read_geometry
+from runtime.core import copy_blocks, scatter_kv_layers
 from runtime.forward_batch import ForwardBatch
+from runtime.kernels.paged_attention_cpu import register
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +45,6 @@ def fix_mmap_threshold() -> int | None:
     heap and stay resident: peak RSS of llama-110m int8 at W3 was 604-612 MB or 738 MB from run to run.
     A fixed threshold keeps them mmapped, so they go back to the system when freed (604-606 MB in three
     runs; W2 TTFT and W3 throughput within the machine's noise). Process-wide, glibc only."""
-    import ctypes
-    import platform
-
     threshold = int(os.environ.get("OPTIMIZE_MMAP_THRESHOLD", str(1 << 20)))
     if threshold <= 0 or platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return None
@@ -77,8 +78,6 @@ class OnnxRuntimeBackend:
             import onnxruntime as ort
         except ImportError as e:  # pragma: no cover - depends on the install
             raise RuntimeError("onnxruntime is not installed: pip install onnxruntime") from e
-        from runtime.core import copy_blocks, scatter_kv_layers
-
         self._scatter = scatter_kv_layers
         self._copy_blocks = copy_blocks
         kv_name = read_geometry(self, config, num_blocks)
@@ -110,8 +109,6 @@ class OnnxRuntimeBackend:
         # the package's C library serves the `optimize` domain (attention, QuantizeRows, MatMulBf16); an
         # artifact built before runtime.json listed the domains has it exactly when its kernel writes the K/V
         if self.kv_in_graph or "optimize" in config["graph"].get("custom_op_domains", []):
-            from runtime.kernels.paged_attention_cpu import register
-
             # the ops' code path: `cpu_isa` (avx512 / avx2 / baseline), else OPTIMIZE_CPU_ISA, else the CPU's widest
             self.kernel_paths = register(so, isa=cpu_isa)
         providers = providers or ["CPUExecutionProvider"]

@@ -28,6 +28,7 @@ import numpy as np
 
 from runtime.backends import decode_bucket, read_geometry, stage_padded_decode
 from runtime.forward_batch import ForwardBatch
+from runtime.gpu import device_copy, missing_for
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +43,6 @@ class OnnxRuntimeCudaBackend:
 
     def __init__(self, model_path: Path, config: dict[str, Any], manifest: dict[str, Any],
                  num_blocks: int | None = None, graphs: str | None = None, device_id: int = 0) -> None:
-        from runtime.gpu import missing_for
-
         problem = missing_for("onnxruntime")
         if problem is not None:
             raise RuntimeError(problem)
@@ -120,8 +119,6 @@ class OnnxRuntimeCudaBackend:
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy KV blocks src -> dst in every layer's pools (copy-on-write), device to device, pair after pair."""
-        from runtime.gpu import device_copy
-
         for src, dst in pairs:
             if not (0 <= src < self.num_blocks and 0 <= dst < self.num_blocks):
                 raise ValueError(f"copy_blocks: block pair ({src}, {dst}) outside the pool of {self.num_blocks}")

@@ -39,6 +39,8 @@ import numpy as np
 
 from runtime.backends import decode_bucket, read_geometry, stage_padded_decode
 from runtime.forward_batch import ForwardBatch
+from runtime.gpu import missing_for
+from runtime.pt2_check import check_pt2
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +70,6 @@ class TorchBackend:
         if device not in ("cpu", "cuda"):
             raise RuntimeError(f"the torch backend runs on cpu or cuda, not {device!r}")
         if device == "cuda":
-            from runtime.gpu import missing_for
-
             problem = missing_for("torch")
             if problem is not None:
                 raise RuntimeError(f"{problem} (or load the artifact with device='cpu')")
@@ -104,8 +104,6 @@ class TorchBackend:
         tdtype = getattr(torch, kv_name)
         self.kv_dtype = np.dtype(kv_name) if kv_name != "bfloat16" else None  # numpy has no bfloat16
         from runtime.backends import torch_ops  # noqa: F401 (registers the custom ops the program may call)
-        from runtime.pt2_check import check_pt2
-
         check_pt2(model_path)  # refuses pickles and opaque objects before torch.export.load unpickles them
         exported = torch.export.load(str(model_path))
         if device != "cpu":

@@ -43,6 +43,7 @@ import numpy as np
 
 from runtime.backends import read_geometry
 from runtime.forward_batch import ForwardBatch
+from runtime.gpu import missing_for, probe
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +82,6 @@ def engine_record(manifest: dict[str, Any]) -> dict[str, Any] | None:
 
 def present_machine() -> dict[str, str | None]:
     """This machine's TensorRT version, first GPU's name and compute capability (None when absent)."""
-    from runtime.gpu import probe
-
     env = probe(("tensorrt",))
     dev = env.devices[0] if env.devices else None
     return {"tensorrt_version": env.packages.get("tensorrt"), "gpu": dev.name if dev else None,
@@ -249,8 +248,6 @@ class TensorRTBackend:
         problem = engine_compatibility(record, present_machine())
         if problem is not None:
             raise RuntimeError(problem)
-        from runtime.gpu import missing_for
-
         missing = missing_for("tensorrt")
         if missing is not None:
             raise RuntimeError(missing)
