@@ -691,19 +691,8 @@ def build(recipe_path: str | Path, progress: bool = True, output: str | Path | N
     t0 = time.perf_counter()
     p = plan(recipe_path)
     recipe = p.recipe
-    too_big = check_memory(p.pass_peaks, force)
-    if too_big is not None:
-        raise BuildError(too_big)
-    for ps in p.passes:  # GPU packages / devices a pass needs: fail before any work, saying what is missing
-        problem = ps.check_environment(recipe)
-        if problem is not None:
-            raise BuildError(f"pass {ps.name!r}: {problem}")
-    check_gate_can_run(recipe)
     out_root = Path(output).resolve() if output is not None else recipe.output
-    final = check_version_unused(out_root, recipe.name, recipe.version)
-    no_room = check_disk(final, p.estimates["artifact_bytes"], force)
-    if no_room is not None:
-        raise BuildError(no_room)
+    final = _refuse_before_work(p, out_root, force)
     draft: Path | None = None
     if recipe.speculative is not None:
         draft = _build_draft(recipe, out_root, autotune, force)
@@ -735,23 +724,7 @@ def build(recipe_path: str | Path, progress: bool = True, output: str | Path | N
             for ps in p.passes:
                 if bar:
                     bar.update(task, description=f"pass {ps.name}")
-                t = time.perf_counter()
-                reason = ps.skip_reason(ctx)
-                record: dict[str, Any] = {"name": ps.name, "config": dataclasses.asdict(ps.config)}
-                if reason:
-                    log.info("pass %s does not apply: %s", ps.name, reason)
-                    record.update(status="skipped", reason=reason)
-                else:
-                    log.info("pass %s ...", ps.name)
-                    record.update(status="applied", stats=ps.run(ctx))
-                ctx.completed.append(ps.name)
-                timings[f"pass.{ps.name}"] = time.perf_counter() - t
-                memory[f"pass.{ps.name}"] = sampler.take()
-                later = [q.name for q in p.passes[len(ctx.completed):]]
-                if release_torch_model(recipe, ctx.artifacts, later):
-                    log.info("released the torch model after %s (nothing later reads it)", ps.name)
-                trim_heap()
-                pass_records.append(record)
+                pass_records.append(_run_pass(ps, ctx, p.passes, sampler, timings, memory))
                 if bar:
                     bar.advance(task)
             src_sha, timings["hash_source"] = src_hash.result()
@@ -769,17 +742,7 @@ def build(recipe_path: str | Path, progress: bool = True, output: str | Path | N
                 bar.advance(task)
         write_manifest(staging, manifest)
         timings["total"] = time.perf_counter() - t0
-        write_build_info(staging, {
-            "timings_s": {k: round(v, 3) for k, v in timings.items()},
-            "host": {"machine": platform.machine(), "python": sys.version.split()[0], "cpus": os.cpu_count()},
-            "recipe_path": str(Path(recipe_path).resolve()),
-            "checkpoint_path": str(recipe.checkpoint),
-            "estimates": {**p.estimates, "build_peak_by_pass": p.pass_peaks},
-            "weights": "streamed" if p.streamed else f"loaded ({p.loads_model_because})",
-            # peak resident set per pass (sampled every 20 ms) and the process's high-water mark
-            "memory": {**memory, "peak_rss_bytes": status_kb("VmHWM") * 1024},
-            **ctx.build_info,  # run-to-run facts of the passes (e.g. autotune timings)
-        })
+        _write_build_info(ctx, p, Path(recipe_path), timings, memory)
         if final.exists():
             final.rmdir()  # check_version_unused allowed only an empty folder
         staging.rename(final)
@@ -787,21 +750,83 @@ def build(recipe_path: str | Path, progress: bool = True, output: str | Path | N
     except BaseException:
         stop_hashing.set()
         reset_streamed()
-        shutil.rmtree(staging, ignore_errors=True)
-        if draft is not None:
-            shutil.rmtree(draft, ignore_errors=True)
-            try:
-                draft.parent.rmdir()
-            except OSError:
-                pass
-        if created_parent:
-            try:
-                final.parent.rmdir()  # leave no empty <name>/ folder behind either
-            except OSError:
-                pass
+        _remove_partial(staging, draft, final.parent if created_parent else None)
         raise
     log.info("built %s in %.1f s", final, timings["total"])
     return final
+
+
+def _refuse_before_work(p: Plan, out_root: Path, force: bool) -> Path:
+    """The artifact's folder, after every check that can refuse the build before any work: the memory and disk
+    estimates (unless `force`), the GPU packages and devices the passes need, the quality gate, the version."""
+    too_big = check_memory(p.pass_peaks, force)
+    if too_big is not None:
+        raise BuildError(too_big)
+    for ps in p.passes:  # GPU packages / devices a pass needs: fail before any work, saying what is missing
+        problem = ps.check_environment(p.recipe)
+        if problem is not None:
+            raise BuildError(f"pass {ps.name!r}: {problem}")
+    check_gate_can_run(p.recipe)
+    final = check_version_unused(out_root, p.recipe.name, p.recipe.version)
+    no_room = check_disk(final, p.estimates["artifact_bytes"], force)
+    if no_room is not None:
+        raise BuildError(no_room)
+    return final
+
+
+def _run_pass(ps: Pass, ctx: BuildContext, passes: list[Pass], sampler: RssSampler, timings: dict[str, float],
+              memory: dict[str, int]) -> dict[str, Any]:
+    """Run (or skip, saying why) one pass; its manifest record. Records its time and peak memory, then frees
+    what no later pass reads."""
+    t = time.perf_counter()
+    reason = ps.skip_reason(ctx)
+    record: dict[str, Any] = {"name": ps.name, "config": dataclasses.asdict(ps.config)}
+    if reason:
+        log.info("pass %s does not apply: %s", ps.name, reason)
+        record.update(status="skipped", reason=reason)
+    else:
+        log.info("pass %s ...", ps.name)
+        record.update(status="applied", stats=ps.run(ctx))
+    ctx.completed.append(ps.name)
+    timings[f"pass.{ps.name}"] = time.perf_counter() - t
+    memory[f"pass.{ps.name}"] = sampler.take()
+    later = [q.name for q in passes[len(ctx.completed):]]
+    if release_torch_model(ctx.recipe, ctx.artifacts, later):
+        log.info("released the torch model after %s (nothing later reads it)", ps.name)
+    trim_heap()
+    return record
+
+
+def _write_build_info(ctx: BuildContext, p: Plan, recipe_path: Path, timings: dict[str, float],
+                      memory: dict[str, int]) -> None:
+    """build_info.json: the run-to-run facts kept out of the manifest (timings, host, estimates, memory)."""
+    write_build_info(ctx.staging, {
+        "timings_s": {k: round(v, 3) for k, v in timings.items()},
+        "host": {"machine": platform.machine(), "python": sys.version.split()[0], "cpus": os.cpu_count()},
+        "recipe_path": str(recipe_path.resolve()),
+        "checkpoint_path": str(p.recipe.checkpoint),
+        "estimates": {**p.estimates, "build_peak_by_pass": p.pass_peaks},
+        "weights": "streamed" if p.streamed else f"loaded ({p.loads_model_because})",
+        # peak resident set per pass (sampled every 20 ms) and the process's high-water mark
+        "memory": {**memory, "peak_rss_bytes": status_kb("VmHWM") * 1024},
+        **ctx.build_info,  # run-to-run facts of the passes (e.g. autotune timings)
+    })
+
+
+def _remove_partial(staging: Path, draft: Path | None, created_parent: Path | None) -> None:
+    """After a failed build: the staging folder, the draft built for it, and a <name>/ folder it created."""
+    shutil.rmtree(staging, ignore_errors=True)
+    if draft is not None:
+        shutil.rmtree(draft, ignore_errors=True)
+        try:
+            draft.parent.rmdir()
+        except OSError:
+            pass
+    if created_parent is not None:
+        try:
+            created_parent.rmdir()  # leave no empty <name>/ folder behind either
+        except OSError:
+            pass
 
 
 def _timed_source_sha256(info: CheckpointInfo, stop: threading.Event) -> tuple[str, float]:
