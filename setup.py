@@ -27,16 +27,21 @@ setup(
         ),
         # Not a Python module: a custom-op library that ONNX Runtime loads (SessionOptions.
         # register_custom_ops_library); runtime/kernels/paged_attention_cpu.py finds and registers it.
-        # One code path per instruction set (isa_avx512.c, isa_avx2.c, isa_baseline.c: the same loops for 16, 8
-        # and 4 float lanes, each file setting its target with #pragma GCC target), chosen per op at
-        # registration from the CPU's features or OPTIMIZE_CPU_ISA. gnu11 allows fused multiply-add
-        # (tolerance-tested against the reference attention); -Wno-psabi: the vector types only cross static
-        # inline helpers, never an ABI boundary.
+        # One file per op (op_*.c: its descriptor, create and compute), registered by ort_ops.c from its table
+        # of descriptors (ort_ops.h); one code path per instruction set (isa_avx512.c, isa_avx2.c,
+        # isa_baseline.c: the same loops for 16, 8 and 4 float lanes, each file setting its target with
+        # #pragma GCC target), chosen per op at registration from the CPU's features or OPTIMIZE_CPU_ISA.
+        # scripts/memcheck.sh builds these sources (read from this list) with sanitizers. gnu11 allows fused
+        # multiply-add (tolerance-tested against the reference attention); -Wno-psabi: the vector types only
+        # cross static inline helpers, never an ABI boundary.
         Extension(
             "runtime.kernels._paged_attention_cpu",
-            sources=["runtime/kernels/paged_attention_cpu.c", "runtime/kernels/isa_avx512.c",
-                     "runtime/kernels/isa_avx2.c", "runtime/kernels/isa_baseline.c"],
-            depends=["runtime/kernels/ort_api.h", "runtime/kernels/cpu_kernels.h", "runtime/kernels/cpu_kernels_impl.h",
+            sources=["runtime/kernels/ort_ops.c", "runtime/kernels/op_paged_attention.c",
+                     "runtime/kernels/op_rotary_paged_attention.c", "runtime/kernels/op_quantize_rows.c",
+                     "runtime/kernels/op_matmul_bf16.c", "runtime/kernels/op_silu_mul.c",
+                     "runtime/kernels/isa_avx512.c", "runtime/kernels/isa_avx2.c", "runtime/kernels/isa_baseline.c"],
+            depends=["runtime/kernels/ort_api.h", "runtime/kernels/ort_ops.h", "runtime/kernels/paged_attention.h",
+                     "runtime/kernels/cpu_kernels.h", "runtime/kernels/cpu_kernels_impl.h",
                      "runtime/kernels/cpu_kernels_rows.h"],
             extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wextra", "-Wno-psabi", "-fno-trapping-math"],
         ),

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Memory check of the C code: the engine core (runtime/core/_core.c, _scheduler.c, _sampler.c) and the
-# ONNX Runtime paged-attention kernel (runtime/kernels/paged_attention_cpu.c).
+# ONNX Runtime custom-op library (runtime/kernels/: ort_ops.c and one op_*.c file per op, as setup.py lists them).
 #
 #   scripts/memcheck.sh [extra pytest arguments]
 #
@@ -10,10 +10,11 @@
 # checked too) and runs the C-core tests listed in TESTS below there: test_core_c.py (C vs. twin
 # streams, scatter, copies, constructor and error paths), test_core_reference.py and
 # test_prefix_cache.py (both impls), test_sampling.py (C vs. twin sampling), and the kernel library
-# built the same way, with every per-CPU code path (isa_*.c: each op's avx512 / avx2 / baseline loops, chosen
-# by plain function pointers, no ifunc resolvers), loaded by ONNX Runtime in test_paged_cpu_kernel.py
-# (hypothesis steps against the reference attention, in-place pool writes, refused steps) and
-# test_matmul_bf16_kernel.py, each path this CPU runs in turn. Exits non-zero on any sanitizer report (any
+# built the same way from the sources setup.py lists for runtime.kernels._paged_attention_cpu (read from
+# setup.py, so a new op file is checked without editing this script), with every per-CPU code path (isa_*.c:
+# each op's avx512 / avx2 / baseline loops, chosen by plain function pointers, no ifunc resolvers), loaded by
+# ONNX Runtime in test_paged_cpu_kernel.py (hypothesis steps against the reference attention, in-place pool
+# writes, refused steps) and test_matmul_bf16_kernel.py, each path this CPU runs in turn. Exits non-zero on any sanitizer report (any
 # error aborts the run), a test failure, no test run, a skip other than a code path this CPU lacks, or a
 # missing libasan.
 # tests/test_memcheck.py runs this script in the default test suite (CI). Leaks of the core's own allocations are checked by
@@ -61,12 +62,27 @@ echo "memcheck: building the extension with -fsanitize=address,undefined"
     -fsanitize=address,undefined -fno-sanitize-recover=all -Wall -Wextra -Werror \
     -I"$INC" "$ROOT/runtime/core/_core.c" "$ROOT/runtime/core/_scheduler.c" "$ROOT/runtime/core/_sampler.c" \
     -o "$TMP/runtime/core/_core$SUFFIX"
-# the kernel with all of its code paths, as setup.py builds it
+# the kernel with all of its ops and code paths: the sources setup.py builds it from
+KERNEL_SOURCES=()
+while IFS= read -r src; do
+    KERNEL_SOURCES+=("$ROOT/$src")
+done < <("$PY" - "$ROOT/setup.py" <<'EOF'
+import ast
+import sys
+
+for node in ast.walk(ast.parse(open(sys.argv[1], encoding="utf-8").read())):
+    if (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Extension" and node.args
+            and ast.literal_eval(node.args[0]) == "runtime.kernels._paged_attention_cpu"):
+        print("\n".join(next(ast.literal_eval(k.value) for k in node.keywords if k.arg == "sources")))
+EOF
+)
+if [[ ${#KERNEL_SOURCES[@]} -eq 0 ]]; then
+    echo "memcheck: setup.py lists no sources for runtime.kernels._paged_attention_cpu" >&2
+    exit 2
+fi
 "$CC" -shared -fPIC -std=gnu11 -O1 -g -fno-omit-frame-pointer -fno-trapping-math \
     -fsanitize=address,undefined -fno-sanitize-recover=all -Wall -Wextra -Wno-psabi -Werror \
-    "$ROOT/runtime/kernels/paged_attention_cpu.c" "$ROOT/runtime/kernels/isa_avx512.c" \
-    "$ROOT/runtime/kernels/isa_avx2.c" "$ROOT/runtime/kernels/isa_baseline.c" \
-    -o "$TMP/runtime/kernels/_paged_attention_cpu$SUFFIX"
+    "${KERNEL_SOURCES[@]}" -o "$TMP/runtime/kernels/_paged_attention_cpu$SUFFIX"
 
 cd "$TMP"
 export PYTHONPATH="$TMP" PYTHONMALLOC=malloc PYTHONDONTWRITEBYTECODE=1

@@ -1,4 +1,4 @@
-"""optimize.MatMulBf16 (runtime/kernels/paged_attention_cpu.c) and its weight packing
+"""optimize.MatMulBf16 (runtime/kernels/op_matmul_bf16.c) and its weight packing
 (compiler/fusion/matmul_bf16.py) in a real ONNX Runtime session.
 
 The op is checked against bf16(a) @ bf16(w) computed in float64, on hypothesis-drawn shapes (odd K and

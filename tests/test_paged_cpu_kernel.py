@@ -1,4 +1,4 @@
-"""The C paged-attention kernel (optimize.PagedAttention, runtime/kernels/paged_attention_cpu.c) in a real
+"""The C paged-attention kernel (optimize.PagedAttention, runtime/kernels/op_paged_attention.c) in a real
 ONNX Runtime session against the reference attention (runtime/kernels/paged_attention.py).
 
 Hypothesis draws whole steps: several sequences mixing prefill chunks (with and without past), decode

@@ -8,7 +8,7 @@ Variants (the model definition's `attention=`, compiler/models/llama.py):
 - `gqa`: ONNX Runtime's com.microsoft.GroupQueryAttention fed per-sequence past K/V gathered from
   the pool and right-padded chunks (`query_seqlens`, ONNX Runtime >= 1.32), see lowering.py.
 - `paged_cpu`: ONNX Runtime CPU: optimize.PagedAttention, this package's C kernel registered into ONNX
-  Runtime as a custom-op library (runtime/kernels/paged_attention_cpu.c): writes the step's K/V into the
+  Runtime as a custom-op library (runtime/kernels/op_paged_attention.c): writes the step's K/V into the
   pools in place and attends per sequence reading the pools through the block table (no gather of the
   past, no scores across sequences), on ONNX Runtime's intra-op threads; float32 pools.
 - `paged_attention`: ONNX Runtime's com.microsoft.PagedAttention (CUDA kernel only, float16/bfloat16),

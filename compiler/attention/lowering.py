@@ -18,7 +18,7 @@ new K/V outputs stay this step's K/V, which the runtime scatters into its pool.
 
 paged_cpu (`optimize.PagedAttention`, ONNX Runtime CPU with this package's custom-op library registered):
 the same inputs and attributes as PagedAttention below (float32), the schema ours (`optimize_schema()`);
-the op writes the step's K/V into the pools itself (runtime/kernels/paged_attention_cpu.c). The graph's
+the op writes the step's K/V into the pools itself (runtime/kernels/op_paged_attention.c). The graph's
 new K/V outputs stay (the ForwardBatch graph's interface), and the runtime does not scatter them.
 
 paged_attention (`com.microsoft.PagedAttention`, ONNX Runtime CUDA only, float16/bfloat16): packed
@@ -45,7 +45,7 @@ GroupQueryAttention = Op(_MSFT, "GroupQueryAttention", onnx_schema("GroupQueryAt
 
 
 def optimize_schema() -> Any:
-    """onnx.defs.OpSchema of optimize.PagedAttention (runtime/kernels/paged_attention_cpu.c)."""
+    """onnx.defs.OpSchema of optimize.PagedAttention (runtime/kernels/op_paged_attention.c)."""
     from onnx import defs
 
     def param(name: str, type_str: str) -> Any:

@@ -9,7 +9,7 @@ After the `qkv` and `rotary` rules, a decoder layer of a paged_cpu graph reaches
     v -> Reshape* -----------------------------------/
 
 thirteen nodes that only reinterpret shapes, split and rotate. This rule hands `qkv` itself to
-optimize.RotaryPagedAttention (runtime/kernels/paged_attention_cpu.c), which rotates K on its way into
+optimize.RotaryPagedAttention (runtime/kernels/op_rotary_paged_attention.c), which rotates K on its way into
 the pool and Q on its way into the kernel's scratch: the layer's attention is one node from the QKV
 projection to o_proj. Reshapes are row-major reinterpretations, so the bytes the new node reads are
 the ones the chain fed the old one.

@@ -3,7 +3,7 @@
 Opt-in through the recipe's `target.matmul: bfloat16` (onnxruntime/cpu, float32): the `fuse` pass runs
 this rule after the others. Every float32 MatMul whose second input is a constant [K, N] matrix, and
 every Gemm (alpha 1, transA 0) with a constant B ([K, N], or [N, K] with transB), becomes
-`optimize.MatMulBf16(a, w, n=N)` of the package's C library (runtime/kernels/paged_attention_cpu.c); a
+`optimize.MatMulBf16(a, w, n=N)` of the package's C library (runtime/kernels/op_matmul_bf16.c); a
 Gemm's bias C stays as an Add after it. The weight is stored once in bfloat16 (round to nearest even),
 packed as the kernel reads it: [ceil(N / 16), ceil(K / 2), 16, 2], panels of 16 columns with each
 column's K values in pairs, zeros padding N and K. The kernel rounds the activations to bfloat16 as well

@@ -24,12 +24,13 @@ IMPLEMENTATION = {
     "qkv": "compiler/fusion/projections.py",
     "gate_up": "compiler/fusion/projections.py",
     "rotary": "compiler/fusion/rotary.py",
-    "rotary_attention": "compiler/fusion/attention.py (optimize.RotaryPagedAttention, runtime/kernels/paged_attention_cpu.c)",
+    "rotary_attention": "compiler/fusion/attention.py (optimize.RotaryPagedAttention, "
+                        "runtime/kernels/op_rotary_paged_attention.c)",
     "quick_gelu": "compiler/fusion/activation.py",
-    "swiglu": "compiler/fusion/swiglu.py (optimize.SiluMul, runtime/kernels/paged_attention_cpu.c)",
-    "quantize_rows": "compiler/fusion/quantize_rows.py (optimize.QuantizeRows, runtime/kernels/paged_attention_cpu.c)",
-    "row_scale": "compiler/fusion/row_scale.py (optimize.SiluMul's scale input, runtime/kernels/paged_attention_cpu.c)",
-    "matmul_bf16": "compiler/fusion/matmul_bf16.py (optimize.MatMulBf16, runtime/kernels/paged_attention_cpu.c)",
+    "swiglu": "compiler/fusion/swiglu.py (optimize.SiluMul, runtime/kernels/op_silu_mul.c)",
+    "quantize_rows": "compiler/fusion/quantize_rows.py (optimize.QuantizeRows, runtime/kernels/op_quantize_rows.c)",
+    "row_scale": "compiler/fusion/row_scale.py (optimize.SiluMul's scale input, runtime/kernels/op_silu_mul.c)",
+    "matmul_bf16": "compiler/fusion/matmul_bf16.py (optimize.MatMulBf16, runtime/kernels/op_matmul_bf16.c)",
 }
 # ONNX Runtime registers SimplifiedLayerNormalization in the default domain (opset 1): onnx's
 # checker does not know it, so the standard check treats it as a contrib op (see check_model).

@@ -8,7 +8,7 @@ quantize_int8 with `activations: per_token` quantizes each Linear input at run t
 
 six nodes and four passes over [T, K] per quantized tensor (four per decoder layer). The C library of
 the paged_cpu kernel has the same computation as one op, `optimize.QuantizeRows(x) -> (xq, s)`
-(runtime/kernels/paged_attention_cpu.c): the same float operations in the same order, so the codes and
+(runtime/kernels/op_quantize_rows.c): the same float operations in the same order, so the codes and
 scales are the ones the six nodes give (tests/test_paged_cpu_kernel.py compares them exactly).
 
 The rule fires only in graphs that already use the library (a node of domain `optimize`: the paged_cpu

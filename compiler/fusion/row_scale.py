@@ -9,7 +9,7 @@ the row scale of its quantized input (compiler/quant/onnx_rules.py, DqGemmToInt8
 After `gate_up`, `swiglu` and `quantize_rows`, the MLP reads SiluMul(Mul(gate_up, s)): a whole pass over
 the [T, 2I] projection output (the largest activation of a decoder layer) only to multiply each row by
 one number. SiluMul takes that number as its optional second input and multiplies each row by it before
-the SiLU (runtime/kernels/paged_attention_cpu.c), the same float32 products the Mul computed, so the
+the SiLU (runtime/kernels/op_silu_mul.c), the same float32 products the Mul computed, so the
 outputs are bit-identical (tests/test_paged_cpu_kernel.py, tests/test_fusion.py).
 
 The rule fires only where the scale is QuantizeRows' second output (so it is one value per row) and the

@@ -6,7 +6,7 @@ After `gate_up` and `quick_gelu`, a Llama-family MLP reads
 
 three nodes and three passes over the [T, 2I] projection output (the Split copies both halves). The C
 library of the paged_cpu kernel computes h = silu(x[.., :I]) * x[.., I:] from the fused output in one
-pass (`optimize.SiluMul`, runtime/kernels/paged_attention_cpu.c), so a decoder layer is the minimum
+pass (`optimize.SiluMul`, runtime/kernels/op_silu_mul.c), so a decoder layer is the minimum
 ONNX Runtime runs it with: norm, QKV, rotary attention, o_proj, skip-norm, gate/up, SiluMul, down,
 skip-norm. Numbers change by float rounding only (the sigmoid's exp: ~2 ulp, against MLAS's logistic).
 

@@ -80,7 +80,7 @@ STATIC_OPS = {
     # com.microsoft
     "MatMulNBits", "SkipSimplifiedLayerNormalization", "QuickGelu", "FusedMatMul", "GroupQueryAttention",
     "PagedAttention", "MatMulIntegerToFloat",
-    # optimize (runtime/kernels/paged_attention_cpu.c): output [T, H*D] from the packed input's T; codes and
+    # optimize (runtime/kernels/op_*.c): output [T, H*D] from the packed input's T; codes and
     # scales shaped as the input; products [.., N] from the input's leading dims; SiluMul [.., I] from [.., 2I]
     "RotaryPagedAttention", "QuantizeRows", "MatMulBf16", "SiluMul",
 }

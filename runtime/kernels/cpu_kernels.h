@@ -1,7 +1,7 @@
-/* The hot loops of the custom-op library (paged_attention_cpu.c), shared by its per-CPU code paths.
+/* The hot loops of the custom-op library (one op per op_*.c file, ort_ops.h), shared by its per-CPU code paths.
  *
- * paged_attention_cpu.c holds the ONNX Runtime glue (inputs, validation, the pool writes, the thread pool);
- * the work items it hands to the thread pool are compiled once per instruction set from one source,
+ * The op files hold the ONNX Runtime glue (inputs, validation, the pool writes, the thread pool); the work
+ * items they hand to the thread pool are compiled once per instruction set from one source,
  * cpu_kernels_impl.h, with the vector width of that instruction set's registers:
  *
  *   isa_avx512.c    16 float lanes (zmm), x86-64-v4 (AVX-512 F/BW/DQ/VL); plus MatMulBf16 with vdpbf16ps
@@ -9,7 +9,7 @@
  *   isa_avx2.c       8 float lanes (ymm), AVX2 + FMA
  *   isa_baseline.c   4 float lanes (xmm), what every x86-64 (SSE2) or other CPU has
  *
- * Each file exports one CpuKernels table; the glue picks a table per op when ONNX Runtime registers the
+ * Each file exports one CpuKernels table; ort_ops.c picks a table per op when ONNX Runtime registers the
  * library (the CPU's features, or OPTIMIZE_CPU_ISA) and reports the choice (optimize_kernel_paths).
  */
 #ifndef OPTIMIZE_CPU_KERNELS_H
@@ -110,7 +110,7 @@ extern const CpuKernels optimize_kernels_avx2 HIDDEN;
 extern const CpuKernels optimize_kernels_avx512 HIDDEN;
 #endif
 
-/* ---- scalar helpers the glue shares with the paths ------------------------------------------------------- */
+/* ---- scalar helpers the op files share with the paths ------------------------------------------------------- */
 
 /* dst[0:D] = rotary(src[0:D]) * mult: pairs (i, i + R/2) (or (2i, 2i+1) interleaved) for i < R/2 turned by
  * angle row c/s, as ONNX Runtime's RotaryEmbedding does (x*cos - y*sin, y*cos + x*sin); dimensions >= R copied */

@@ -1,11 +1,13 @@
 """The CPU paged-attention kernel's custom-op library for ONNX Runtime: where it is and how to register it.
 
-`paged_attention_cpu.c` (built by the package build as `runtime/kernels/_paged_attention_cpu*.so`, next to
-this file) implements `optimize.PagedAttention`, the `paged_cpu` attention variant's node: it writes the
-step's K/V into the pools in place and attends per sequence through the block table. A graph that has
-such a node (domain `optimize`) loads only in a session whose options registered the library:
-`register(so)` does that, after checking that the installed ONNX Runtime is new enough for the C API
-version the library declares (the library checks the same again when ONNX Runtime calls it).
+The library (built by the package build as `runtime/kernels/_paged_attention_cpu*.so`, next to this file,
+from `ort_ops.c` and one `op_*.c` file per op) implements `optimize.PagedAttention`, the `paged_cpu`
+attention variant's node (`op_paged_attention.c`): it writes the step's K/V into the pools in place and
+attends per sequence through the block table; its other ops (RotaryPagedAttention, QuantizeRows, MatMulBf16,
+SiluMul) come with it. A graph that has such a node (domain `optimize`) loads only in a session whose options
+registered the library: `register(so)` does that, after checking that the installed ONNX Runtime is new
+enough for the C API version the library declares (the library checks the same again when ONNX Runtime
+calls it).
 
 The library runs each op on one of its per-CPU code paths (avx512: 16 float lanes, AVX-512; avx2: 8 lanes,
 AVX2 + FMA; baseline: 4 lanes, SSE2), the widest the CPU has unless `OPTIMIZE_CPU_ISA=avx512|avx2|baseline`
