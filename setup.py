@@ -14,8 +14,9 @@ setup(
     ext_modules=[
         Extension(
             "runtime.core._core",
-            sources=["runtime/core/_core.c", "runtime/core/_scheduler.c", "runtime/core/_sampler.c"],
-            depends=["runtime/core/_core.h"],
+            sources=["runtime/core/_core.c", "runtime/core/_block_pool.c", "runtime/core/_prefix_cache.c",
+                     "runtime/core/_scheduler.c", "runtime/core/_sampler.c"],
+            depends=["runtime/core/_core.h", "runtime/core/_sched.h"],
             extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra", "-ffp-contract=off", "-fno-trapping-math"],
         ),
         # quantize_rtn's and pack_matmulnbits' hot loops (compiler/quant/int4.py); their twins are the torch/numpy

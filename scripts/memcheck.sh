@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Memory check of the C code: the engine core (runtime/core/_core.c, _scheduler.c, _sampler.c) and the
-# ONNX Runtime paged-attention kernel (runtime/kernels/paged_attention_cpu.c).
+# Memory check of the C code: the engine core (runtime/core/*.c: _core.c, _block_pool.c, _prefix_cache.c,
+# _scheduler.c, _sampler.c; the list is read from the core Extension in setup.py) and the ONNX Runtime
+# paged-attention kernel (runtime/kernels/paged_attention_cpu.c).
 #
 #   scripts/memcheck.sh [extra pytest arguments]
 #
@@ -34,6 +35,23 @@ TMP=$(mktemp -d "${TMPDIR:-/tmp}/memcheck.XXXXXX")
 trap 'rm -rf "$TMP"' EXIT
 
 INC=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
+# the core's C files as setup.py builds them (its Extension "runtime.core._core"), so the two never differ
+mapfile -t CORE_SOURCES < <("$PY" - "$ROOT/setup.py" <<'EOF_PY'
+import ast
+import sys
+
+for node in ast.walk(ast.parse(open(sys.argv[1], encoding="utf-8").read())):
+    if (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Extension" and node.args
+            and isinstance(node.args[0], ast.Constant) and node.args[0].value == "runtime.core._core"):
+        for kw in node.keywords:
+            if kw.arg == "sources":
+                print("\n".join(ast.literal_eval(kw.value)))
+EOF_PY
+)
+if [[ ${#CORE_SOURCES[@]} -eq 0 ]]; then
+    echo "memcheck: found no sources of runtime.core._core in setup.py" >&2
+    exit 2
+fi
 SUFFIX=$("$PY" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
 LIBASAN=$("$CC" -print-file-name=libasan.so)
 if [[ ! -e "$LIBASAN" ]]; then
@@ -59,7 +77,7 @@ printf '[pytest]\naddopts = -p no:cacheprovider\n' > "$TMP/pytest.ini"
 echo "memcheck: building the extension with -fsanitize=address,undefined"
 "$CC" -shared -fPIC -std=c11 -O1 -g -fno-omit-frame-pointer -ffp-contract=off -fno-trapping-math \
     -fsanitize=address,undefined -fno-sanitize-recover=all -Wall -Wextra -Werror \
-    -I"$INC" "$ROOT/runtime/core/_core.c" "$ROOT/runtime/core/_scheduler.c" "$ROOT/runtime/core/_sampler.c" \
+    -I"$INC" "${CORE_SOURCES[@]/#/$ROOT/}" \
     -o "$TMP/runtime/core/_core$SUFFIX"
 # the kernel with all of its code paths, as setup.py builds it
 "$CC" -shared -fPIC -std=gnu11 -O1 -g -fno-omit-frame-pointer -fno-trapping-math \
