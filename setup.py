@@ -3,7 +3,7 @@ the ONNX Runtime custom-op library with the CPU paged-attention kernel (plain C,
 compiler's INT4 loops, round-to-nearest and MatMulNBits packing (plain C, CPython API + buffer protocol).
 
 `-ffp-contract=off`: no fused multiply-add, so the sampler's float arithmetic is the same IEEE
-operations as its numpy twin (runtime/core/reference.py) on every compiler and CPU.
+operations as its numpy twin (runtime/core/reference/sampler.py) on every compiler and CPU.
 `-fno-trapping-math`: FP exceptions are not observed, which lets GCC vectorize the branch-free
 selects of the sampler's loops; it changes no result (no reassociation, no fast-math).
 """
@@ -14,8 +14,9 @@ setup(
     ext_modules=[
         Extension(
             "runtime.core._core",
-            sources=["runtime/core/_core.c", "runtime/core/_scheduler.c", "runtime/core/_sampler.c"],
-            depends=["runtime/core/_core.h"],
+            sources=["runtime/core/_core.c", "runtime/core/_block_pool.c", "runtime/core/_prefix_cache.c",
+                     "runtime/core/_scheduler.c", "runtime/core/_sampler.c"],
+            depends=["runtime/core/_core.h", "runtime/core/_sched.h"],
             extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra", "-ffp-contract=off", "-fno-trapping-math"],
         ),
         # quantize_rtn's and pack_matmulnbits' hot loops (compiler/quant/int4.py); their twins are the torch/numpy

@@ -2,7 +2,7 @@
 
 The arithmetic lives in the engine core: `runtime.core._core.sample` (C, default) and its twin
 `runtime.core.reference.sample` (`OPTIMIZE_CORE=python`); both give the same tokens for the same
-seed (see the recipe at "Sampling" in runtime/core/reference.py). Per row:
+seed (see the recipe at "Sampling" in runtime/core/reference/sampler.py). Per row:
 
 - penalties on the logits of tokens already seen (repetition: prompt + output, HF/vLLM style;
   presence and frequency: output only, OpenAI style), when the caller passes the histories;

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Memory check of the C code: the engine core (runtime/core/_core.c, _scheduler.c, _sampler.c) and the
-# ONNX Runtime custom-op library (runtime/kernels/: ort_ops.c and one op_*.c file per op, as setup.py lists them).
+# Memory check of the C code: the engine core (runtime/core/*.c: _core.c, _block_pool.c, _prefix_cache.c,
+# _scheduler.c, _sampler.c) and the ONNX Runtime custom-op library (runtime/kernels/: ort_ops.c and one op_*.c
+# file per op). Both source lists are read from their Extensions in setup.py, so the two builds never differ.
 #
 #   scripts/memcheck.sh [extra pytest arguments]
 #
@@ -35,6 +36,29 @@ TMP=$(mktemp -d "${TMPDIR:-/tmp}/memcheck.XXXXXX")
 trap 'rm -rf "$TMP"' EXIT
 
 INC=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
+# sources_of NAME: the C files setup.py builds the extension NAME from, one per line
+sources_of() {
+    local found
+    found=$("$PY" - "$ROOT/setup.py" "$1" <<'EOF_PY'
+import ast
+import sys
+
+for node in ast.walk(ast.parse(open(sys.argv[1], encoding="utf-8").read())):
+    if (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Extension" and node.args
+            and isinstance(node.args[0], ast.Constant) and node.args[0].value == sys.argv[2]):
+        for kw in node.keywords:
+            if kw.arg == "sources":
+                print("\n".join(ast.literal_eval(kw.value)))
+EOF_PY
+)
+    printf '%s\n' "$found"
+}
+mapfile -t CORE_SOURCES < <(sources_of runtime.core._core)
+mapfile -t KERNEL_SOURCES < <(sources_of runtime.kernels._paged_attention_cpu)
+if [[ -z "${CORE_SOURCES[*]}" || -z "${KERNEL_SOURCES[*]}" ]]; then
+    echo "memcheck: setup.py lists no sources for runtime.core._core or runtime.kernels._paged_attention_cpu" >&2
+    exit 2
+fi
 SUFFIX=$("$PY" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
 LIBASAN=$("$CC" -print-file-name=libasan.so)
 if [[ ! -e "$LIBASAN" ]]; then
@@ -60,29 +84,12 @@ printf '[pytest]\naddopts = -p no:cacheprovider\n' > "$TMP/pytest.ini"
 echo "memcheck: building the extension with -fsanitize=address,undefined"
 "$CC" -shared -fPIC -std=c11 -O1 -g -fno-omit-frame-pointer -ffp-contract=off -fno-trapping-math \
     -fsanitize=address,undefined -fno-sanitize-recover=all -Wall -Wextra -Werror \
-    -I"$INC" "$ROOT/runtime/core/_core.c" "$ROOT/runtime/core/_scheduler.c" "$ROOT/runtime/core/_sampler.c" \
+    -I"$INC" "${CORE_SOURCES[@]/#/$ROOT/}" \
     -o "$TMP/runtime/core/_core$SUFFIX"
-# the kernel with all of its ops and code paths: the sources setup.py builds it from
-KERNEL_SOURCES=()
-while IFS= read -r src; do
-    KERNEL_SOURCES+=("$ROOT/$src")
-done < <("$PY" - "$ROOT/setup.py" <<'EOF'
-import ast
-import sys
-
-for node in ast.walk(ast.parse(open(sys.argv[1], encoding="utf-8").read())):
-    if (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Extension" and node.args
-            and ast.literal_eval(node.args[0]) == "runtime.kernels._paged_attention_cpu"):
-        print("\n".join(next(ast.literal_eval(k.value) for k in node.keywords if k.arg == "sources")))
-EOF
-)
-if [[ ${#KERNEL_SOURCES[@]} -eq 0 ]]; then
-    echo "memcheck: setup.py lists no sources for runtime.kernels._paged_attention_cpu" >&2
-    exit 2
-fi
+# the kernel with all of its ops and code paths
 "$CC" -shared -fPIC -std=gnu11 -O1 -g -fno-omit-frame-pointer -fno-trapping-math \
     -fsanitize=address,undefined -fno-sanitize-recover=all -Wall -Wextra -Wno-psabi -Werror \
-    "${KERNEL_SOURCES[@]}" -o "$TMP/runtime/kernels/_paged_attention_cpu$SUFFIX"
+    "${KERNEL_SOURCES[@]/#/$ROOT/}" -o "$TMP/runtime/kernels/_paged_attention_cpu$SUFFIX"
 
 cd "$TMP"
 export PYTHONPATH="$TMP" PYTHONMALLOC=malloc PYTHONDONTWRITEBYTECODE=1

@@ -1,10 +1,11 @@
 /*
  * runtime.core._core -- the C engine core: KV scatter and block copy (this file), the Scheduler
- * type (_scheduler.c), sampling (_sampler.c). Shared internals: _core.h.
+ * type (_scheduler.c on _block_pool.c and _prefix_cache.c, sharing _sched.h), sampling
+ * (_sampler.c). Shared internals: _core.h.
  *
  * Plain C against the CPython API and the buffer protocol: no numpy headers, no PyTorch.
- * The pure-Python twin of every function lives in runtime/core/reference.py and is the
- * test oracle (tests/test_core_c.py compares the two).
+ * The pure-Python twin of every function lives in the package runtime/core/reference/ (a module
+ * per C file) and is the test oracle (tests/test_core_c.py compares the two).
  *
  * ---------------------------------------------------------------------------------------
  * CONTRACT (this file)
@@ -52,6 +53,24 @@
 #include "_core.h"
 
 #include <string.h>
+int core_grow(void **arr, int64_t *cap, int64_t need, size_t item) {
+    if (need <= *cap) {
+        return 0;
+    }
+    int64_t ncap = *cap > 4 ? *cap : 4;
+    while (ncap < need) {
+        ncap *= 2;
+    }
+    void *p = PyMem_Realloc(*arr, (size_t)ncap * item);
+    if (p == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    *arr = p;
+    *cap = ncap;
+    return 0;
+}
+
 /* Element kind of a struct-module format: 'f' float, 'i' signed int, 'u' unsigned, 'b' bool;
  * 0 for anything else (compound, non-native byte order, pointers, ...). */
 char core_format_kind(const char *fmt) {

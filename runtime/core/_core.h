@@ -1,9 +1,11 @@
 /*
- * Internal header of runtime.core._core: what the three C files share. Not a public API.
+ * Internal header of runtime.core._core: what its C files share. Not a public API.
  *
- *   _core.c       module, KV scatter and KV block copy (contract at its top)
- *   _scheduler.c  the Scheduler type: block pool, prefix cache, schedule/pack/update (contract at its top)
- *   _sampler.c    sample() and sample_probs() (contract at its top)
+ *   _core.c          module, KV scatter and KV block copy (contract at its top)
+ *   _scheduler.c     the Scheduler type: sequences, queues, schedule/pack/update (contract at its top),
+ *                    on _block_pool.c (the KV block pool) and _prefix_cache.c (the prefix cache);
+ *                    the three share the scheduler's state through _sched.h
+ *   _sampler.c       sample() and sample_probs() (contract at its top)
  *
  * Conventions in every file:
  *   - Functions returning int return 0 on success and -1 with a Python exception set.
@@ -27,6 +29,10 @@ char core_format_kind(const char *fmt);
 /* PyObject_GetBuffer(obj, view, PyBUF_RECORDS_RO | extra) with messages naming prefix+name:
  * TypeError when obj has no buffer protocol, ValueError when it cannot export. */
 int core_get_buffer(PyObject *obj, Py_buffer *view, int extra_flags, const char *prefix, const char *name);
+
+/* Grow *arr (PyMem, items of `item` bytes, capacity *cap) to hold at least `need` items, doubling
+ * from 4; MemoryError on failure (*arr unchanged). */
+int core_grow(void **arr, int64_t *cap, int64_t need, size_t item);
 
 /* splitmix64's finalizer (also used by the block hash and the RNG seeding). */
 static inline uint64_t core_mix64(uint64_t x) {

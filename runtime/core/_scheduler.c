@@ -1,12 +1,15 @@
 /*
- * runtime.core._core.Scheduler -- block pool with reference counts, prefix cache (chained block
- * hashes, LRU eviction), scheduler step (decode first, chunked prefill, FCFS admission,
- * preemption by recompute), ForwardBatch packing and the post-step update.
+ * runtime.core._core.Scheduler -- sequences, the waiting and running queues, the scheduler step
+ * (decode first, chunked prefill, FCFS admission, preemption by recompute), ForwardBatch packing,
+ * the post-step update, and the Python type. It runs on the block pool (_block_pool.c: reference
+ * counts, LRU eviction) and the prefix cache (_prefix_cache.c: chained block hashes, lookup,
+ * registration, KV-cache events); their shared state is declared in _sched.h.
  *
- * The twin is runtime.core.reference.Scheduler: every decision is the same (block ids, eviction
- * order, entries, copies, counters, error types and messages), and its module docstring draws the
- * index arithmetic. The class the engine uses is runtime.core._cwrap.Scheduler, a subclass that
- * owns the pack buffers and turns `_pack`'s sizes into ForwardBatch views.
+ * The twin is runtime.core.reference.Scheduler (runtime/core/reference/scheduler.py, on
+ * block_pool.py and prefix_cache.py): every decision is the same (block ids, eviction order, entries,
+ * copies, counters, error types and messages), and its module docstring draws the index arithmetic.
+ * The class the engine uses is runtime.core._cwrap.Scheduler, a subclass that owns the pack buffers
+ * and turns `_pack`'s sizes into ForwardBatch views.
  *
  * ---------------------------------------------------------------------------------------
  * CONTRACT (all methods need the GIL; none releases it)
@@ -76,174 +79,14 @@
  * ---------------------------------------------------------------------------------------
  */
 
-#include "_core.h"
+#include "_sched.h"
 
 #include <string.h>
 
-enum { IN_USE = 0, IN_FREE = 1, IN_CACHED = 2 };
-
 #define I64_MAX_ ((int64_t)0x7FFFFFFFFFFFFFFFLL)
-
-typedef struct seq_s {
-    int64_t id;
-    int64_t arrival;
-    int64_t *tokens; /* prompt + generated */
-    int64_t ntok, captok;
-    int64_t nprompt;
-    int64_t ncomputed;
-    int32_t *table;
-    int64_t ntable, captable;
-    uint64_t *hashes; /* chained hashes of its first full blocks (memo) */
-    int64_t nhash, caphash;
-    int64_t nregistered; /* leading table blocks already offered to the cache */
-    uint64_t root;       /* parent hash of its first block: 0, or its cache salt (prefix-cache isolation) */
-    int64_t ncached;     /* prompt tokens served by the cache at the first admission; -1 before */
-    int64_t ndraft;      /* proposals verified in this step, in tokens[ntok .. ntok + ndraft) */
-    int decoding;
-    int running;
-    uint64_t stamp; /* == the scheduler's stamp: scheduled in this step / seen in this check */
-    struct seq_s *prev, *next; /* waiting queue */
-} seq_t;
-
-typedef struct {
-    PyObject_HEAD
-    int ready;
-    int64_t bs, nb, max_seqs, max_tokens, max_len, max_blocks_seq;
-    int caching, cow;
-    uint64_t key;
-    uint64_t hash_mask; /* all ones; fewer bits only under set_hash_bits_for_tests */
-    PyObject *entry_type, *batch_type, *stats_type;
-    /* block pool */
-    int32_t *ref;
-    uint8_t *where;   /* IN_USE / IN_FREE / IN_CACHED */
-    uint8_t *bcached; /* has a hash, is in the cache map */
-    uint64_t *bhash, *bparent;
-    int64_t *btok; /* [nb * bs] tokens of cached blocks (NULL without caching) */
-    int32_t *lprev, *lnext;
-    int32_t head[3], tail[3];
-    int64_t count[3];
-    /* prefix cache: hash -> block, open addressing, linear probing, empty = -1 */
-    uint64_t *ck;
-    int32_t *cv;
-    uint64_t cmask;
-    /* sequences: id -> seq, open addressing, empty = NULL */
-    int64_t *sk;
-    seq_t **sv;
-    uint64_t smask;
-    int64_t scount;
-    /* queues */
-    seq_t **running; /* [max_seqs], sorted by arrival */
-    int64_t nrunning;
-    seq_t **snap; /* [max_seqs] */
-    seq_t *whead, *wtail;
-    int64_t nwaiting;
-    int64_t arrivals, preemptions;
-    int64_t stats[3]; /* requests, queries, hits */
-    uint64_t stamp;
-    /* one step's output before it becomes Python objects */
-    int64_t *e_sid, *e_start, *e_n;
-    uint8_t *e_logits;
-    int64_t ne;
-    int32_t *c_src, *c_dst;
-    int64_t nc;
-    int32_t *hits; /* [max_blocks_seq] */
-    /* KV-cache event log (enable_kv_events): uint64 records, see the contract */
-    int events_on, events_lost;
-    uint64_t *ev;
-    int64_t nev, capev;
-    PyObject **last; /* [max_seqs] strong refs to the entries the last schedule() returned (e_* hold their fields) */
-    int64_t nlast;
-    /* pack buffers */
-    Py_buffer buf[7];
-    int nbuf;
-} Sched;
 
 static const char *BUF_NAMES[7] = {"input_ids", "positions", "slot_mapping", "cu_seqlens",
                                    "past_lens", "block_table", "logits_index"};
-
-static inline int64_t blocks_needed(const Sched *s, int64_t ntokens) { return (ntokens + s->bs - 1) / s->bs; }
-static inline int64_t num_free(const Sched *s) { return s->count[IN_FREE] + s->count[IN_CACHED]; }
-
-/* ---- free lists ------------------------------------------------------------------------- */
-
-static void list_push_back(Sched *s, int w, int32_t b) {
-    s->where[b] = (uint8_t)w;
-    s->lnext[b] = -1;
-    s->lprev[b] = s->tail[w];
-    if (s->tail[w] >= 0) {
-        s->lnext[s->tail[w]] = b;
-    } else {
-        s->head[w] = b;
-    }
-    s->tail[w] = b;
-    s->count[w]++;
-}
-
-static void list_remove(Sched *s, int32_t b) {
-    int w = s->where[b];
-    int32_t p = s->lprev[b], n = s->lnext[b];
-    if (p >= 0) {
-        s->lnext[p] = n;
-    } else {
-        s->head[w] = n;
-    }
-    if (n >= 0) {
-        s->lprev[n] = p;
-    } else {
-        s->tail[w] = p;
-    }
-    s->where[b] = IN_USE;
-    s->count[w]--;
-}
-
-/* ---- prefix cache map ------------------------------------------------------------------- */
-
-static int32_t cmap_get(const Sched *s, uint64_t h) {
-    uint64_t i = core_mix64(h) & s->cmask;
-    while (s->cv[i] >= 0) {
-        if (s->ck[i] == h) {
-            return s->cv[i];
-        }
-        i = (i + 1) & s->cmask;
-    }
-    return -1;
-}
-
-static void cmap_put(Sched *s, uint64_t h, int32_t b) { /* h absent; load <= 1/2 */
-    uint64_t i = core_mix64(h) & s->cmask;
-    while (s->cv[i] >= 0) {
-        i = (i + 1) & s->cmask;
-    }
-    s->ck[i] = h;
-    s->cv[i] = b;
-}
-
-static void cmap_del(Sched *s, uint64_t h) { /* backward-shift deletion */
-    uint64_t i = core_mix64(h) & s->cmask;
-    while (s->cv[i] >= 0 && s->ck[i] != h) {
-        i = (i + 1) & s->cmask;
-    }
-    if (s->cv[i] < 0) {
-        return;
-    }
-    for (;;) {
-        s->cv[i] = -1;
-        uint64_t j = i;
-        for (;;) {
-            j = (j + 1) & s->cmask;
-            if (s->cv[j] < 0) {
-                return;
-            }
-            uint64_t k = core_mix64(s->ck[j]) & s->cmask;
-            if ((j > i) ? (k <= i || k > j) : (k <= i && k > j)) {
-                s->ck[i] = s->ck[j];
-                s->cv[i] = s->cv[j];
-                i = j;
-                break;
-            }
-        }
-    }
-}
 
 /* ---- sequence map ----------------------------------------------------------------------- */
 
@@ -327,24 +170,6 @@ static void smap_del(Sched *s, int64_t id) {
 
 /* ---- sequences -------------------------------------------------------------------------- */
 
-static int grow(void **arr, int64_t *cap, int64_t need, size_t item) {
-    if (need <= *cap) {
-        return 0;
-    }
-    int64_t ncap = *cap > 4 ? *cap : 4;
-    while (ncap < need) {
-        ncap *= 2;
-    }
-    void *p = PyMem_Realloc(*arr, (size_t)ncap * item);
-    if (p == NULL) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    *arr = p;
-    *cap = ncap;
-    return 0;
-}
-
 static void seq_dealloc(seq_t *q) {
     PyMem_Free(q->tokens);
     PyMem_Free(q->table);
@@ -413,226 +238,15 @@ static void running_insert(Sched *s, seq_t *q) { /* bisect.insort by arrival */
     q->running = 1;
 }
 
-/* ---- KV-cache events ----------------------------------------------------------------------- */
-
-enum { EV_STORED = 1, EV_REMOVED = 2, EV_CLEARED = 3 };
-
-/* Room for n more words; on failure the log is dropped and kv_events() reports it once. */
-static uint64_t *ev_room(Sched *s, int64_t n) {
-    if (grow((void **)&s->ev, &s->capev, s->nev + n, sizeof(uint64_t)) < 0) {
-        PyErr_Clear();
-        s->events_lost = 1;
-        s->nev = 0;
-        return NULL;
-    }
-    uint64_t *p = s->ev + s->nev;
-    s->nev += n;
-    return p;
-}
-
-static void ev_stored(Sched *s, uint64_t h, uint64_t parent, int has_parent, const int64_t *tok) {
-    uint64_t *p = ev_room(s, 4 + s->bs);
-    if (p != NULL) {
-        p[0] = EV_STORED;
-        p[1] = h;
-        p[2] = has_parent ? parent : 0;
-        p[3] = (uint64_t)has_parent;
-        memcpy(p + 4, tok, (size_t)s->bs * sizeof(int64_t));
-    }
-}
-
-static void ev_removed(Sched *s, uint64_t h) {
-    uint64_t *p = ev_room(s, 2);
-    if (p != NULL) {
-        p[0] = EV_REMOVED;
-        p[1] = h;
-    }
-}
-
-/* ---- blocks ----------------------------------------------------------------------------- */
-
-static void uncache(Sched *s, int32_t b) {
-    if (s->events_on) {
-        ev_removed(s, s->bhash[b]);
-    }
-    cmap_del(s, s->bhash[b]);
-    s->bcached[b] = 0;
-    s->bhash[b] = 0;
-    s->bparent[b] = 0;
-}
-
-/* One block, ref_count 1: the fresh queue first, then the LRU cached block. Caller checked num_free. */
-static int32_t block_alloc(Sched *s) {
-    int32_t b;
-    if (s->count[IN_FREE] > 0) {
-        b = s->head[IN_FREE];
-    } else {
-        b = s->head[IN_CACHED];
-    }
-    list_remove(s, b);
-    if (s->bcached[b]) {
-        uncache(s, b);
-    }
-    s->ref[b] = 1;
-    return b;
-}
-
-static int block_release(Sched *s, int32_t b) {
-    if (s->ref[b] < 1) {
-        PyErr_Format(PyExc_RuntimeError, "block %d freed twice", (int)b);
-        return -1;
-    }
-    if (--s->ref[b] == 0) {
-        list_push_back(s, s->bcached[b] ? IN_CACHED : IN_FREE, b);
-    }
-    return 0;
-}
-
 static int seq_free_blocks(Sched *s, seq_t *q) {
     for (int64_t i = q->ntable - 1; i >= 0; i--) {
-        if (block_release(s, q->table[i]) < 0) {
+        if (bp_release(s, q->table[i]) < 0) {
             return -1;
         }
     }
     q->ntable = 0;
     return 0;
 }
-
-static void block_claim(Sched *s, int32_t b) { /* a prefix-cache hit */
-    if (s->ref[b] == 0) {
-        list_remove(s, b);
-    }
-    s->ref[b]++;
-}
-
-static void block_touch(Sched *s, int32_t b) {
-    if (s->where[b] == IN_CACHED) {
-        list_remove(s, b);
-        list_push_back(s, IN_CACHED, b);
-    }
-}
-
-/* ---- hashing ---------------------------------------------------------------------------- */
-
-/* Width of the block hashes of schedulers created from now on: 64 in production. Tests narrow it
- * (set_hash_bits_for_tests) so that distinct blocks collide and the collision path runs; the twin
- * has the same hook (reference.set_hash_bits_for_tests) with the same semantics: every chained
- * hash, parents included, is the 64-bit hash masked to its low `bits` bits. */
-static int test_hash_bits = 64;
-
-static PyObject *set_hash_bits_for_tests(PyObject *Py_UNUSED(module), PyObject *arg) {
-    long bits = PyLong_AsLong(arg);
-    if (bits == -1 && PyErr_Occurred()) {
-        return NULL;
-    }
-    if (bits < 1 || bits > 64) {
-        PyErr_Format(PyExc_ValueError, "hash bits must be in [1, 64], got %ld", bits);
-        return NULL;
-    }
-    long previous = test_hash_bits;
-    test_hash_bits = (int)bits;
-    return PyLong_FromLong(previous);
-}
-
-static PyMethodDef hash_methods[] = {
-    {"set_hash_bits_for_tests", set_hash_bits_for_tests, METH_O,
-     "set_hash_bits_for_tests(bits) -> previous: block-hash width of schedulers created later (tests only)."},
-    {NULL, NULL, 0, NULL},
-};
-
-static uint64_t block_hash(uint64_t parent, const int64_t *tok, int64_t n, uint64_t key) {
-    uint64_t h = parent ^ key;
-    for (int64_t i = 0; i < n; i++) {
-        h = core_mix64((h ^ (uint64_t)tok[i]) + CORE_GOLDEN);
-    }
-    return h;
-}
-
-/* Hash of q's full block j (its tokens must be known), memoised. */
-static int seq_hash(Sched *s, seq_t *q, int64_t j, uint64_t *out) {
-    if (q->nhash <= j) {
-        if (grow((void **)&q->hashes, &q->caphash, j + 1, sizeof(uint64_t)) < 0) {
-            return -1;
-        }
-        while (q->nhash <= j) {
-            int64_t k = q->nhash;
-            q->hashes[k] = block_hash(k ? q->hashes[k - 1] : q->root, q->tokens + k * s->bs, s->bs, s->key) & s->hash_mask;
-            q->nhash++;
-        }
-    }
-    *out = q->hashes[j];
-    return 0;
-}
-
-/* Longest cached prefix of a waiting sequence into s->hits (no effects on the pool).
- * Returns the number of hits (or -1 on error); *cow: the copy-on-write source or -1;
- * *cached: the tokens served from the cache. */
-static int64_t cache_lookup(Sched *s, seq_t *q, int32_t *cow, int64_t *cached) {
-    *cow = -1;
-    *cached = 0;
-    if (!s->caching) {
-        return 0;
-    }
-    int64_t nfull = q->ntok / s->bs, nh = 0;
-    uint64_t parent = q->root;
-    for (int64_t j = 0; j < nfull; j++) {
-        uint64_t h;
-        if (seq_hash(s, q, j, &h) < 0) {
-            return -1;
-        }
-        int32_t b = cmap_get(s, h);
-        if (b < 0 || s->bparent[b] != parent ||
-            memcmp(s->btok + (int64_t)b * s->bs, q->tokens + j * s->bs, (size_t)s->bs * sizeof(int64_t)) != 0) {
-            break; /* a miss, or a hash collision: never somebody else's K/V */
-        }
-        s->hits[nh++] = b;
-        parent = h;
-    }
-    if (nh * s->bs < q->ntok) {
-        *cached = nh * s->bs;
-        return nh;
-    }
-    nh--; /* every known token is cached: the last one must still run (its logits) */
-    if (s->cow && s->bs > 1) {
-        *cow = s->hits[nh];
-        *cached = q->ntok - 1;
-    } else {
-        *cached = nh * s->bs;
-    }
-    return nh;
-}
-
-static int register_full_blocks(Sched *s, seq_t *q) {
-    int64_t full = q->ncomputed / s->bs;
-    for (int64_t j = q->nregistered; j < full; j++) {
-        uint64_t h;
-        if (seq_hash(s, q, j, &h) < 0) {
-            return -1;
-        }
-        int32_t b = q->table[j];
-        if (s->bcached[b] || s->ref[b] < 1) {
-            PyErr_Format(PyExc_RuntimeError, "block %d cannot be cached (cached %d, ref_count %d)", (int)b,
-                         (int)s->bcached[b], (int)s->ref[b]);
-            return -1;
-        }
-        if (cmap_get(s, h) >= 0) {
-            continue; /* one block per hash: this one stays a plain block */
-        }
-        cmap_put(s, h, b);
-        s->bcached[b] = 1;
-        s->bhash[b] = h;
-        s->bparent[b] = j ? q->hashes[j - 1] : q->root;
-        memcpy(s->btok + (int64_t)b * s->bs, q->tokens + j * s->bs, (size_t)s->bs * sizeof(int64_t));
-        if (s->events_on) {
-            ev_stored(s, h, s->bparent[b], j > 0, q->tokens + j * s->bs);
-        }
-    }
-    if (full > q->nregistered) {
-        q->nregistered = full;
-    }
-    return 0;
-}
-
 /* ---- argument helpers ------------------------------------------------------------------- */
 
 /* A sequence id in [0, 2**63): TypeError / ValueError like the twin's _seq_id. */
@@ -739,9 +353,10 @@ static void S_clear_state(Sched *s) {
             }
         }
     }
-    void *arrays[] = {s->ref, s->where, s->bcached, s->bhash, s->bparent, s->btok, s->lprev, s->lnext,
-                      s->ck, s->cv, s->sk, s->sv, s->running, s->snap, s->e_sid, s->e_start, s->e_n,
-                      s->e_logits, s->c_src, s->c_dst, s->hits, s->last, s->ev};
+    bp_free(s);
+    pc_free(s);
+    void *arrays[] = {s->sk, s->sv, s->running, s->snap, s->e_sid, s->e_start, s->e_n, s->e_logits, s->c_src,
+                      s->c_dst, s->hits, s->last};
     for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; i++) {
         PyMem_Free(arrays[i]);
     }
@@ -824,8 +439,6 @@ static int S_init(Sched *s, PyObject *args, PyObject *kwds) {
         PyErr_Format(PyExc_ValueError, "seed must be in [0, 2**64), got %R", seed);
         return -1;
     }
-    s->key = core_mix64((uint64_t)sd + CORE_GOLDEN);
-    s->hash_mask = test_hash_bits >= 64 ? ~(uint64_t)0 : (((uint64_t)1 << test_hash_bits) - 1);
     if (!PyType_Check(entry_type) || !PyType_IsSubtype((PyTypeObject *)entry_type, &PyTuple_Type) ||
         ((PyTypeObject *)entry_type)->tp_basicsize != PyTuple_Type.tp_basicsize ||
         ((PyTypeObject *)entry_type)->tp_itemsize != PyTuple_Type.tp_itemsize) {
@@ -870,25 +483,11 @@ static int S_init(Sched *s, PyObject *args, PyObject *kwds) {
         }
     }
     Py_DECREF(bufs);
-
-    /* pool and tables */
-    int64_t nb = s->nb;
-    uint64_t ccap = 16;
-    while (ccap < (uint64_t)nb * 2) {
-        ccap *= 2;
+    /* pool, prefix cache and tables */
+    if (bp_init(s) < 0 || pc_init(s, (uint64_t)sd) < 0) {
+        return -1;
     }
-    s->cmask = ccap - 1;
     s->smask = 15;
-    s->ref = PyMem_Calloc((size_t)nb, sizeof(int32_t));
-    s->where = PyMem_Calloc((size_t)nb, 1);
-    s->bcached = PyMem_Calloc((size_t)nb, 1);
-    s->bhash = PyMem_Calloc((size_t)nb, sizeof(uint64_t));
-    s->bparent = PyMem_Calloc((size_t)nb, sizeof(uint64_t));
-    s->btok = s->caching ? PyMem_Calloc((size_t)(nb * s->bs), sizeof(int64_t)) : NULL;
-    s->lprev = PyMem_Calloc((size_t)nb, sizeof(int32_t));
-    s->lnext = PyMem_Calloc((size_t)nb, sizeof(int32_t));
-    s->ck = PyMem_Calloc(ccap, sizeof(uint64_t));
-    s->cv = PyMem_Malloc(ccap * sizeof(int32_t));
     s->sk = PyMem_Calloc(16, sizeof(int64_t));
     s->sv = PyMem_Calloc(16, sizeof(seq_t *));
     s->running = PyMem_Calloc((size_t)s->max_seqs, sizeof(seq_t *));
@@ -901,18 +500,10 @@ static int S_init(Sched *s, PyObject *args, PyObject *kwds) {
     s->c_dst = PyMem_Calloc((size_t)s->max_seqs, sizeof(int32_t));
     s->hits = PyMem_Calloc((size_t)(s->max_blocks_seq + 1), sizeof(int32_t));
     s->last = PyMem_Calloc((size_t)s->max_seqs, sizeof(PyObject *));
-    if (!s->ref || !s->where || !s->bcached || !s->bhash || !s->bparent || (s->caching && !s->btok) || !s->lprev ||
-        !s->lnext || !s->ck || !s->cv || !s->sk || !s->sv || !s->running || !s->snap || !s->e_sid || !s->e_start ||
-        !s->e_n || !s->e_logits || !s->c_src || !s->c_dst || !s->hits || !s->last) {
+    if (!s->sk || !s->sv || !s->running || !s->snap || !s->e_sid || !s->e_start || !s->e_n || !s->e_logits ||
+        !s->c_src || !s->c_dst || !s->hits || !s->last) {
         PyErr_NoMemory();
         return -1;
-    }
-    for (uint64_t i = 0; i < ccap; i++) {
-        s->cv[i] = -1;
-    }
-    s->head[IN_FREE] = s->tail[IN_FREE] = s->head[IN_CACHED] = s->tail[IN_CACHED] = -1;
-    for (int64_t b = 0; b < nb; b++) {
-        list_push_back(s, IN_FREE, (int32_t)b);
     }
     s->ready = 1;
     return 0;
@@ -948,7 +539,7 @@ static PyObject *S_add(Sched *s, PyObject *args) {
     }
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
     seq_t *q = PyMem_Calloc(1, sizeof(seq_t));
-    if (q == NULL || grow((void **)&q->tokens, &q->captok, n + 1, sizeof(int64_t)) < 0) {
+    if (q == NULL || core_grow((void **)&q->tokens, &q->captok, n + 1, sizeof(int64_t)) < 0) {
         if (q == NULL) {
             PyErr_NoMemory();
         } else {
@@ -1086,11 +677,11 @@ static int seq_allocate(Sched *s, seq_t *q, int64_t need) {
     if (need <= 0) {
         return 0;
     }
-    if (grow((void **)&q->table, &q->captable, q->ntable + need, sizeof(int32_t)) < 0) {
+    if (core_grow((void **)&q->table, &q->captable, q->ntable + need, sizeof(int32_t)) < 0) {
         return -1;
     }
     for (int64_t i = 0; i < need; i++) {
-        q->table[q->ntable++] = block_alloc(s);
+        q->table[q->ntable++] = bp_alloc(s);
     }
     return 0;
 }
@@ -1258,7 +849,7 @@ static PyObject *S_schedule(Sched *s, PyObject *args) {
             int64_t d = draft_room(s, q, budget - 1 - decoders_left, decoders_left);
             int64_t have = (int64_t)PySequence_Fast_GET_SIZE(proposal);
             d = have < d ? have : d;
-            if (grow((void **)&q->tokens, &q->captok, q->ntok + d + 1, sizeof(int64_t)) < 0) {
+            if (core_grow((void **)&q->tokens, &q->captok, q->ntok + d + 1, sizeof(int64_t)) < 0) {
                 return NULL;
             }
             PyObject **items = PySequence_Fast_ITEMS(proposal);
@@ -1322,7 +913,7 @@ static PyObject *S_schedule(Sched *s, PyObject *args) {
         seq_t *q = s->whead;
         int32_t cow;
         int64_t cached;
-        int64_t nh = cache_lookup(s, q, &cow, &cached);
+        int64_t nh = pc_lookup(s, q, &cow, &cached);
         if (nh < 0) {
             return NULL;
         }
@@ -1339,21 +930,21 @@ static PyObject *S_schedule(Sched *s, PyObject *args) {
             }
             break;
         }
-        if (grow((void **)&q->table, &q->captable, nh + need, sizeof(int32_t)) < 0) {
+        if (core_grow((void **)&q->table, &q->captable, nh + need, sizeof(int32_t)) < 0) {
             return NULL;
         }
         waiting_remove(s, q);
         running_insert(s, q);
         for (int64_t i = 0; i < nh; i++) {
-            block_claim(s, s->hits[i]);
+            bp_claim(s, s->hits[i]);
             q->table[i] = s->hits[i];
         }
         q->ntable = nh;
         if (cow >= 0) {
-            block_touch(s, cow);
+            bp_touch(s, cow);
         }
         for (int64_t i = 0; i < need; i++) {
-            q->table[q->ntable++] = block_alloc(s);
+            q->table[q->ntable++] = bp_alloc(s);
         }
         if (cow >= 0 && q->table[nh] != cow) {
             s->c_src[s->nc] = cow;
@@ -1684,7 +1275,7 @@ static PyObject *S_update(Sched *s, PyObject *args) {
                          "must finish it", (long long)q->id, (long long)s->max_len);
             goto error;
         }
-        if (grow((void **)&q->tokens, &q->captok, q->ntok + m[i] + 1, sizeof(int64_t)) < 0) {
+        if (core_grow((void **)&q->tokens, &q->captok, q->ntok + m[i] + 1, sizeof(int64_t)) < 0) {
             goto error;
         }
         used += m[i];
@@ -1692,7 +1283,7 @@ static PyObject *S_update(Sched *s, PyObject *args) {
     for (Py_ssize_t i = 0; i < b; i++) { /* memo room for the hashes of newly full blocks */
         seq_t *q = c[i].q;
         int64_t full = (q->ncomputed + c[i].n) / s->bs;
-        if (s->caching && grow((void **)&q->hashes, &q->caphash, full, sizeof(uint64_t)) < 0) {
+        if (s->caching && core_grow((void **)&q->hashes, &q->caphash, full, sizeof(uint64_t)) < 0) {
             goto error;
         }
     }
@@ -1709,7 +1300,7 @@ static PyObject *S_update(Sched *s, PyObject *args) {
             q->ndraft = 0;
             const int64_t keep = blocks_needed(s, q->ntok);
             for (int64_t j = q->ntable - 1; j >= keep; j--) { /* blocks that held only rejected proposals */
-                if (block_release(s, q->table[j]) < 0) {
+                if (bp_release(s, q->table[j]) < 0) {
                     goto error;
                 }
             }
@@ -1717,7 +1308,7 @@ static PyObject *S_update(Sched *s, PyObject *args) {
                 q->ntable = keep;
             }
         }
-        if (s->caching && register_full_blocks(s, q) < 0) {
+        if (s->caching && pc_register_full_blocks(s, q) < 0) {
             goto error;
         }
     }
@@ -1869,45 +1460,18 @@ done:
     Py_XDECREF(cached);
     return result;
 }
-
 static PyObject *S_enable_kv_events(Sched *s, PyObject *Py_UNUSED(ignored)) {
     if (check_ready(s) < 0) {
         return NULL;
     }
-    if (s->events_on) {
-        Py_RETURN_NONE;
-    }
-    for (int64_t b = 0; b < s->nb; b++) {
-        if (s->bcached[b]) {
-            PyErr_SetString(PyExc_RuntimeError,
-                            "enable_kv_events() needs an empty prefix cache: call it before the first step");
-            return NULL;
-        }
-    }
-    uint64_t *p = ev_room(s, 1);
-    if (p == NULL) {
-        s->events_lost = 0;
-        return PyErr_NoMemory();
-    }
-    p[0] = EV_CLEARED;
-    s->events_on = 1;
-    Py_RETURN_NONE;
+    return pc_enable_events(s);
 }
 
 static PyObject *S_kv_events(Sched *s, PyObject *Py_UNUSED(ignored)) {
     if (check_ready(s) < 0) {
         return NULL;
     }
-    if (s->events_lost) {
-        s->events_lost = 0;
-        PyErr_SetString(PyExc_MemoryError, "the KV event log lost records (out of memory)");
-        return NULL;
-    }
-    PyObject *out = PyBytes_FromStringAndSize((const char *)s->ev, (Py_ssize_t)(s->nev * (int64_t)sizeof(uint64_t)));
-    if (out != NULL) {
-        s->nev = 0;
-    }
-    return out;
+    return pc_take_events(s);
 }
 
 static PyObject *get_int(Sched *s, int64_t v) {
@@ -1980,7 +1544,7 @@ static PyTypeObject SchedType = {
 };
 
 int core_scheduler_register(PyObject *module) {
-    if (PyModule_AddFunctions(module, hash_methods) < 0 || PyType_Ready(&SchedType) < 0) {
+    if (PyModule_AddFunctions(module, pc_methods) < 0 || PyType_Ready(&SchedType) < 0) {
         return -1;
     }
     Py_INCREF(&SchedType);
