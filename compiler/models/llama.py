@@ -146,9 +146,10 @@ def hf_value(cfg: ModelConfig, name: str, w: torch.Tensor, dtype: torch.dtype) -
 
 
 def split_fused_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Phi-3 stores q/k/v as one `qkv_proj` ([q; k; v] rows) and gate/up as one `gate_up_proj` ([gate; up]):
-    the same tensors under our per-projection names (the fuse pass joins them again in the graph)."""
-    if cfg.architecture != "Phi3ForCausalLM":
+    """A family with `fused_weights` (Phi-3) stores q/k/v as one `qkv_proj` ([q; k; v] rows) and gate/up as
+    one `gate_up_proj` ([gate; up]): the same tensors under our per-projection names (the fuse pass joins them
+    again in the graph)."""
+    if not cfg.fused_weights:
         return weights
     out = dict(weights)
     q_rows, kv_rows = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
