@@ -1,5 +1,6 @@
-"""Our model definition for the Llama family (Llama, Mistral, Qwen2, Qwen3, Granite, Phi-3, OLMo 2, Gemma 2/3,
-and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE) with the ForwardBatch interface.
+"""Our model definition for the Llama-shaped families with the ForwardBatch interface: one decoder whose flags
+(ModelConfig) each family's declaration sets (compiler/models/families.py FAMILY_TABLE: Llama, Mistral, Qwen2,
+Qwen3, Granite, Phi-3, OLMo 2, Gemma 2/3, the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, ...).
 
 One forward runs any mix of prefill chunks and decode tokens, packed without padding. Attention is
 a paged attention written in standard ops (so it exports to plain ONNX):
