@@ -263,6 +263,17 @@ FAMILY_TABLE: tuple[Family, ...] = (
     Family("qwen3_moe", ("Qwen3MoeForCausalLM",), {
         "qk_norm": True, "sliding_windows": windows_past_max_window_layers, **_QWEN_EXPERTS,
     }, refusals=(experts_refusal,)),
+    # InternLM 3: transformers builds model_type internlm3 with LlamaForCausalLM, config.json's qkv_bias as its
+    # attention_bias (q/k/v/o) and bias as its mlp_bias, and refuses the two unequal
+    Family("internlm3", ("InternLM3ForCausalLM",), {
+        "qkv_bias": Read(("qkv_bias", "attention_bias"), False, bool),
+        "o_bias": Read(("qkv_bias", "attention_bias"), False, bool),
+        "mlp_bias": Read(("bias", "mlp_bias"), False, bool),
+    }, refusals=(
+        lambda arch, cfg: None if (qkv := bool(cfg.get("qkv_bias") or cfg.get("attention_bias")))
+        == (bias := bool(cfg.get("bias") or cfg.get("mlp_bias")))
+        else f"{arch}: qkv_bias {qkv} and bias {bias} differ (transformers builds it as Llama and refuses them unequal)",
+    )),
 )
 
 # derived from the table
