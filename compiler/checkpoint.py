@@ -21,29 +21,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from compiler.models.families import ROPE_TYPES, nearest_family
+from compiler.models.families import ROPE_TYPES, SUPPORTED_ARCHITECTURES, family_of, nearest_family
 
 log = logging.getLogger(__name__)
 
+# The families and their architectures (SUPPORTED_ARCHITECTURES): compiler/models/families.py FAMILY_TABLE,
+# one declaration each; ModelConfig.from_hf reads a config through its family's.
 # RoPE types of rope_parameters / rope_scaling the model definition computes as transformers does
 # (compiler/models/llama.py rope_inv_freq): ROPE_TYPES (compiler/models/families.py); `dynamic` equals `default`
 # up to max_position_embeddings, where max_model_len is capped
 # MLP activations of hidden_act / hidden_activation -> the model definition's name
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    "GraniteForCausalLM",
-    "Phi3ForCausalLM",
-    "Olmo2ForCausalLM",
-    "Gemma2ForCausalLM",
-    "Gemma3ForCausalLM",
-    "MixtralForCausalLM",
-    "Qwen2MoeForCausalLM",
-    "Qwen3MoeForCausalLM",
-)
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -112,6 +100,8 @@ class ModelConfig:
     norm_topk_prob: bool = True
     shared_expert_intermediate_size: int = 0
     moe_layers: tuple[bool, ...] = ()  # per layer: a sparse MoE block (else the dense MLP)
+    # Phi-3: q/k/v stored as one qkv_proj and gate/up as one gate_up_proj (the loader splits them)
+    fused_weights: bool = False
 
     def is_moe_layer(self, layer: int) -> bool:
         return bool(self.moe_layers) and self.moe_layers[layer]
@@ -121,10 +111,13 @@ class ModelConfig:
                 max_model_len: int | None = None) -> ModelConfig:
         """From config.json (`cfg`) and, where the checkpoint has one, generation_config.json
         (`generation`): its eos_token_id, when set, is what transformers' generate stops on.
-        `max_model_len` (the recipe's) picks LongRoPE's factor set (see _longrope_factors)."""
+        `max_model_len` (the recipe's) picks LongRoPE's factor set (see _longrope_factors). The fields every
+        family reads alike are read here; the family's declaration (compiler/models/families.py) reads the
+        rest and says what it refuses."""
         archs = cfg.get("architectures") or []
         arch = archs[0] if archs else "<none>"
-        if arch not in SUPPORTED_ARCHITECTURES:
+        family = family_of(arch)
+        if family is None:
             model_type = cfg.get("model_type") or "this checkpoint"
             raise CheckpointError(
                 f"architecture {arch!r} (model_type {model_type}) is not supported; supported: "
@@ -146,17 +139,20 @@ class ModelConfig:
             local = (float(cfg["rope_local_base_freq"]), None)
         theta, rope_scaling, rotary_dim = _rope_spec(rope, cfg, head_dim, max_model_len)
         layers = int(cfg["num_hidden_layers"])
-        windows = _sliding_windows(arch, cfg, layers)
         eos = (generation or {}).get("eos_token_id")
         if eos is None:
             eos = cfg.get("eos_token_id")
         eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        family_qkv_bias = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+        intermediate = int(cfg["intermediate_size"])
+        refusal = family.refusal(arch, cfg)
+        if refusal is not None:
+            raise CheckpointError(refusal)
+        facts = {"hidden_size": hidden, "head_dim": head_dim, "num_layers": layers, "intermediate_size": intermediate}
         return cls(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
+            intermediate_size=intermediate,
             num_layers=layers,
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
@@ -166,22 +162,13 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=family_qkv_bias or bool(cfg.get("attention_bias", False)),
-            o_bias=(not family_qkv_bias) and bool(cfg.get("attention_bias", False)),
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Olmo2ForCausalLM", "Gemma3ForCausalLM"),
-            post_norm=arch == "Olmo2ForCausalLM",
-            qk_norm_full=arch == "Olmo2ForCausalLM",
-            sliding_windows=windows,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             rotary_dim=rotary_dim,
             local_rope_theta=local[0] if local else None,
             local_rope_scaling=local[1] if local else None,
             mlp_activation=ACTIVATIONS[act],
-            **_multipliers(arch, cfg),
-            **_gemma(arch, cfg, hidden, head_dim),
-            **_experts(arch, cfg, layers),
+            **family.flags(cfg, facts),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -233,67 +220,6 @@ def _longrope_factors(sc: dict[str, Any], cfg: dict[str, Any], head_dim: int, ro
     context = min(max_model_len, max_pos) if max_model_len else None
     factors = "long" if context is not None and context > int(original) else "short"
     return {**sc, "original_max_position_embeddings": int(original), "factors": factors}
-
-
-def _gemma(arch: str, cfg: dict[str, Any], hidden: int, head_dim: int) -> dict[str, Any]:
-    if arch not in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
-        return {}
-    soft = {k: (float(cfg[k]) if cfg.get(k) else None) for k in ("attn_logit_softcapping", "final_logit_softcapping")}
-    return {"embedding_multiplier": float(hidden) ** 0.5, "norm_weight_offset": 1.0, "sandwich_norm": True,
-            "attention_multiplier": float(cfg.get("query_pre_attn_scalar") or head_dim) ** -0.5, **soft}
-
-
-def _experts(arch: str, cfg: dict[str, Any], layers: int) -> dict[str, Any]:
-    """Mixtral: every layer sparse, experts of intermediate_size, the top-k weights renormalised. Qwen2-MoE /
-    Qwen3-MoE: layers (i + 1) % decoder_sparse_step == 0 not in mlp_only_layers are sparse, experts of
-    moe_intermediate_size, renormalised when norm_topk_prob; Qwen2-MoE's shared expert."""
-    if arch not in ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
-        return {}
-    experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
-    top_k = int(cfg.get("num_experts_per_tok") or 0)
-    if experts < 1 or not 1 <= top_k <= experts:
-        raise CheckpointError(f"{arch}: needs num_experts >= 1 and 1 <= num_experts_per_tok <= num_experts "
-                              f"(got {experts} experts, {top_k} per token)")
-    if arch == "MixtralForCausalLM":
-        return {"num_experts": experts, "num_experts_per_tok": top_k, "norm_topk_prob": True,
-                "moe_intermediate_size": int(cfg["intermediate_size"]), "moe_layers": (True,) * layers}
-    step = int(cfg.get("decoder_sparse_step") or 1)
-    dense = {int(i) for i in cfg.get("mlp_only_layers") or []}
-    shared = int(cfg.get("shared_expert_intermediate_size") or 0) if arch == "Qwen2MoeForCausalLM" else 0
-    return {"num_experts": experts, "num_experts_per_tok": top_k,
-            "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
-            "moe_intermediate_size": int(cfg["moe_intermediate_size"]),
-            "shared_expert_intermediate_size": shared,
-            "moe_layers": tuple(i not in dense and (i + 1) % step == 0 for i in range(layers))}
-
-
-def _multipliers(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    if arch != "GraniteForCausalLM":
-        return {}
-    return {"embedding_multiplier": float(cfg.get("embedding_multiplier", 1.0)),
-            "residual_multiplier": float(cfg.get("residual_multiplier", 1.0)),
-            "attention_multiplier": float(cfg.get("attention_multiplier", 1.0)),
-            "logits_scaling": float(cfg.get("logits_scaling", 1.0))}
-
-
-def _sliding_windows(arch: str, cfg: dict[str, Any], layers: int) -> tuple[int | None, ...]:
-    window = cfg.get("sliding_window")
-    if arch in ("MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM"):
-        return tuple([int(window) if window else None] * layers)
-    if arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):  # layer_types, else transformers' default pattern
-        every = 2 if arch == "Gemma2ForCausalLM" else int(cfg.get("sliding_window_pattern") or 6)
-        types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % every else "full_attention"
-                                           for i in range(layers)]
-        return tuple(int(window) if window and t == "sliding_attention" else None for t in types)
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
-        if not cfg.get("use_sliding_window", False) or not window:
-            return tuple([None] * layers)
-        types = cfg.get("layer_types")
-        if not types:
-            max_window_layers = int(cfg.get("max_window_layers", layers))
-            types = ["sliding_attention" if i >= max_window_layers else "full_attention" for i in range(layers)]
-        return tuple(int(window) if t == "sliding_attention" else None for t in types)
-    return tuple([None] * layers)
 
 
 @dataclass(frozen=True)

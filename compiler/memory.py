@@ -291,7 +291,7 @@ def streaming_reason(recipe: Recipe, info: CheckpointInfo, passes: list[Any] | N
         return "target matmul bfloat16: fuse's matmul_bf16 rule packs the float weights in memory"
     if recipe.quality.eval_data is not None:
         return "the quality gate compares with the float32 model, which it holds"
-    if cfg.num_experts or cfg.architecture == "Phi3ForCausalLM":
+    if cfg.num_experts or cfg.fused_weights:
         return f"{cfg.architecture}: its checkpoint tensors are split or regrouped when loaded"
     others = [spec.name for spec in recipe.passes if spec.name not in STREAMING_PASSES]
     if others:

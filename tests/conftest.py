@@ -110,12 +110,14 @@ def make_random_checkpoint(folder: Path, arch: str, seed: int = 0, **overrides: 
     elif arch == "Qwen3MoeForCausalLM":  # normalised top 2 of 8 (as Qwen3-30B-A3B: norm_topk_prob)
         cfg = transformers.Qwen3MoeConfig(**common, head_dim=16, num_experts=8, num_experts_per_tok=2,
                                           moe_intermediate_size=32, norm_topk_prob=True)
+    elif arch == "InternLM3ForCausalLM":  # no class of that name: transformers builds internlm3 as LlamaForCausalLM
+        cfg = transformers.InternLM3Config(**common, head_dim=16)
     else:
         raise ValueError(arch)
     for k, v in overrides.items():
         setattr(cfg, k, v)
     torch.manual_seed(seed)
-    model = getattr(transformers, arch)(cfg).eval()
+    model = (getattr(transformers, arch, None) or transformers.AutoModelForCausalLM.from_config)(cfg).eval()
     with torch.no_grad():  # larger weights than the init so logits are far from uniform
         for name, p in model.named_parameters():
             if p.ndim >= 2 and not p.any():  # a router left at zero: random (ties would pick experts arbitrarily)
@@ -133,5 +135,7 @@ def make_random_checkpoint(folder: Path, arch: str, seed: int = 0, **overrides: 
     model.save_pretrained(folder, safe_serialization=True)
     for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copyfile(DEMO_MODEL / f, folder / f)
-    json.loads((folder / "config.json").read_text())  # written and readable
+    config = json.loads((folder / "config.json").read_text())  # written and readable
+    if config["architectures"] != [arch]:  # the name the checkpoints on the Hub carry, not transformers' class
+        (folder / "config.json").write_text(json.dumps({**config, "architectures": [arch]}, indent=2))
     return folder

@@ -6,24 +6,31 @@ multipliers, Phi-3's partial LongRoPE rotation, OLMo 2's post-norms and Gemma's 
 and (Gemma 3) local RoPE are calibrated on the activations
 the artifact computes (checked here against the model's own forward). AWQ and SmoothQuant fold scales
 into the norm before q/k/v and gate/up, which a post-norm layer does not have: they refuse it by name.
-Logits and greedy tokens of each family against transformers: tests/test_parity.py.
+Logits and greedy tokens of each family against transformers: tests/test_parity.py; here, InternLM 3, a
+family added by its declaration alone (compiler/models/families.py), from checkpoint to served tokens.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
+import transformers
 from conftest import make_random_checkpoint, write_recipe
-from test_parity import LONGROPE
+from test_checkpoint import eager_logits
+from test_parity import LOGITS_TOL, LONGROPE, chunked_logits, hf_greedy, hf_logits, hf_model, prompts_of
 
 from compiler.build import build
-from compiler.checkpoint import inspect_checkpoint, load_weights
+from compiler.checkpoint import CheckpointError, inspect_checkpoint, load_weights
 from compiler.models.llama import LlamaForwardBatchModel
 from compiler.passes.base import BuildError
 from compiler.quant.calibration import LayerRunner
+from runtime.engine import LLMEngine
+from runtime.sampling import SamplingParams
 
 FAMILIES = {
     "granite": ("GraniteForCausalLM", {}),
@@ -204,3 +211,39 @@ def test_gemma2_attention_takes_the_decomposed_path_only(tmp_path: Path) -> None
         "  - name: package\n"))
     with pytest.raises(Exception, match="soft-capping"):
         build(recipe, progress=False)
+
+
+def test_internlm3_is_built_from_its_declaration_alone(tmp_path: Path) -> None:
+    """InternLM 3 is one declaration in compiler/models/families.py and nothing else: transformers builds
+    model_type internlm3 with LlamaForCausalLM, reading the biases from config.json's `qkv_bias` (q/k/v/o) and
+    `bias` (the MLP), the names internlm/internlm3-8b-instruct's config uses. Random weights, norms and biases
+    included: the eager model within the Llama test's 1e-4 (tests/test_checkpoint.py), the built artifact's
+    chunked logits within LOGITS_TOL and its greedy tokens equal to transformers'."""
+    ckpt = make_random_checkpoint(tmp_path / "ckpt", "InternLM3ForCausalLM", seed=11, attention_bias=True,
+                                  mlp_bias=True)
+    path = ckpt / "config.json"
+    cfg = json.loads(path.read_text())
+    assert (cfg["architectures"], cfg["model_type"]) == (["InternLM3ForCausalLM"], "internlm3")
+    cfg["qkv_bias"], cfg["bias"] = cfg.pop("attention_bias"), cfg.pop("mlp_bias")
+    path.write_text(json.dumps(cfg))
+    hf = hf_model(ckpt)
+    assert type(hf) is transformers.LlamaForCausalLM and hf.model.layers[0].self_attn.o_proj.bias is not None
+    config = inspect_checkpoint(ckpt).config
+    assert (config.qkv_bias, config.o_bias, config.mlp_bias) == (True, True, True)
+    ids = prompts_of([70], seed=1)[0]
+    want = hf_logits(hf, ids)
+    eager = eager_logits(ckpt, ids).numpy()
+    assert np.abs(eager - want).max() < 1e-4
+    artifact = build(write_recipe(tmp_path, ckpt, name="internlm3"), progress=False)
+    engine = LLMEngine(artifact)
+    assert np.abs(chunked_logits(engine, ids, [13, 40, 41, 70]) - want).max() < LOGITS_TOL
+    prompt = prompts_of([37], seed=2)[0]
+    engine.add_request("a", prompt, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
+    got = None
+    while engine.has_unfinished():
+        got = next((o.token_ids for o in engine.step() if o.finished), got)
+    assert got == hf_greedy(hf, prompt, 32)
+    # transformers refuses the two biases unequal (Llama's one setting): so does its declaration
+    path.write_text(json.dumps({**cfg, "bias": False}))
+    with pytest.raises(CheckpointError, match="InternLM3ForCausalLM: qkv_bias True and bias False differ"):
+        inspect_checkpoint(ckpt)

@@ -1,5 +1,6 @@
-"""Our model definition for the Llama family (Llama, Mistral, Qwen2, Qwen3, Granite, Phi-3, OLMo 2, Gemma 2/3,
-and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE) with the ForwardBatch interface.
+"""Our model definition for the Llama-shaped families with the ForwardBatch interface: one decoder whose flags
+(ModelConfig) each family's declaration sets (compiler/models/families.py FAMILY_TABLE: Llama, Mistral, Qwen2,
+Qwen3, Granite, Phi-3, OLMo 2, Gemma 2/3, the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, ...).
 
 One forward runs any mix of prefill chunks and decode tokens, packed without padding. Attention is
 a paged attention written in standard ops (so it exports to plain ONNX):
@@ -146,9 +147,10 @@ def hf_value(cfg: ModelConfig, name: str, w: torch.Tensor, dtype: torch.dtype) -
 
 
 def split_fused_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Phi-3 stores q/k/v as one `qkv_proj` ([q; k; v] rows) and gate/up as one `gate_up_proj` ([gate; up]):
-    the same tensors under our per-projection names (the fuse pass joins them again in the graph)."""
-    if cfg.architecture != "Phi3ForCausalLM":
+    """A family with `fused_weights` (Phi-3) stores q/k/v as one `qkv_proj` ([q; k; v] rows) and gate/up as
+    one `gate_up_proj` ([gate; up]): the same tensors under our per-projection names (the fuse pass joins them
+    again in the graph)."""
+    if not cfg.fused_weights:
         return weights
     out = dict(weights)
     q_rows, kv_rows = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
