@@ -17,7 +17,7 @@ import logging
 import struct
 import threading
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -172,9 +172,10 @@ class ModelConfig:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        from dataclasses import asdict
-
+        """The model the artifact computes (the manifest's source.config); `fused_weights` is how the checkpoint
+        stores its weights, which the loader splits, so an artifact has no such layout to describe."""
         d = asdict(self)
+        del d["fused_weights"]
         d["sliding_windows"] = list(self.sliding_windows)
         d["eos_token_ids"] = list(self.eos_token_ids)
         d["moe_layers"] = list(self.moe_layers)
