@@ -192,15 +192,7 @@ def load_recipe(path: str | Path, pass_options: Mapping[str, type | None] | None
     """
     path = Path(path)
     file = str(path)
-    try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise RecipeError(file, None, "", f"cannot read recipe: {exc.strerror or exc}") from exc
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise RecipeError(file, None, "", f"recipe is not UTF-8 text: {exc}") from exc
-
+    raw, text = _read_text(path)
     data, lines = _parse_yaml(file, text)
     _validate_schema(file, data, lines)
     _check_finite(file, data, "", lines)
@@ -211,100 +203,19 @@ def load_recipe(path: str | Path, pass_options: Mapping[str, type | None] | None
         return RecipeError(file, _line_for(lines, fld), fld, message)
 
     checkpoint = _resolve(base, data["source"]["checkpoint"])
-    if not checkpoint.is_dir():
-        what = "is not a folder" if checkpoint.exists() else "not found"
-        raise err("source.checkpoint", f"checkpoint folder {what}: {checkpoint}")
+    _check_exists(checkpoint, True, "source.checkpoint", "checkpoint folder", err)
 
     target = Target(**data["target"])
     if target.backend == "tensorrt" and target.device != "cuda":
         raise err("target.device", "backend 'tensorrt' runs only on device 'cuda'")
 
     passes = tuple(_pass_spec(i, entry, pass_options, lines, err) for i, entry in enumerate(data["passes"]))
-
-    runtime = RuntimeDefaults(**data.get("runtime", {}))
-    capacity = runtime.num_kv_blocks * runtime.kv_block_size
-    if runtime.max_model_len > capacity:
-        raise err(
-            "runtime.max_model_len",
-            f"{runtime.max_model_len} tokens do not fit in the KV cache "
-            f"(num_kv_blocks {runtime.num_kv_blocks} x kv_block_size {runtime.kv_block_size} = {capacity})",
-        )
-    if runtime.max_num_batched_tokens < runtime.max_num_seqs:
-        raise err(
-            "runtime.max_num_batched_tokens",
-            f"{runtime.max_num_batched_tokens} is below max_num_seqs ({runtime.max_num_seqs}): "
-            "a decode step of every running sequence would not fit",
-        )
-
-    q = data.get("quality", {})
-    eval_data = _resolve(base, q["eval_data"]) if "eval_data" in q else None
-    if eval_data is not None and not eval_data.is_file():
-        what = "is not a file" if eval_data.exists() else "not found"
-        raise err("quality.eval_data", f"eval data file {what}: {eval_data}")
-    quality = QualitySpec(
-        eval_data=eval_data,
-        max_eval_tokens=q.get("max_eval_tokens"),
-        max_perplexity=_opt_float(q.get("max_perplexity")),
-        max_perplexity_increase_pct=_opt_float(q.get("max_perplexity_increase_pct")),
-        max_kl_divergence=_opt_float(q.get("max_kl_divergence")),
-        min_token_agreement=_opt_float(q.get("min_token_agreement")),
-        agreement_prompts=tuple(q.get("agreement_prompts", ())),
-        agreement_tokens=q.get("agreement_tokens", DEFAULT_AGREEMENT_TOKENS),
-        allow_unevaluated=bool(q.get("allow_unevaluated", False)),
-    )
-
-    calibration = None
-    if "calibration" in data:
-        c = data["calibration"]
-        calib_data = _resolve(base, c["data"])
-        if not calib_data.is_file():
-            what = "is not a file" if calib_data.exists() else "not found"
-            raise err("calibration.data", f"calibration data file {what}: {calib_data}")
-        calibration = CalibrationSpec(data=calib_data, **{k: v for k, v in c.items() if k != "data"})
-
-    speculative = None
-    if "speculative" in data:
-        sp = data["speculative"]
-        draft = sp["draft"]
-        draft_ckpt = None
-        if "checkpoint" in draft:
-            draft_ckpt = _resolve(base, draft["checkpoint"])
-            if not draft_ckpt.is_dir():
-                what = "is not a folder" if draft_ckpt.exists() else "not found"
-                raise err("speculative.draft.checkpoint", f"draft checkpoint folder {what}: {draft_ckpt}")
-            if draft_ckpt == checkpoint:
-                raise err("speculative.draft.checkpoint", "the draft must be another (smaller) checkpoint than "
-                                                          "source.checkpoint")
-        layers = draft.get("truncate_layers")
-        if layers is not None:
-            try:
-                total = int(json.loads((checkpoint / "config.json").read_text("utf-8"))["num_hidden_layers"])
-            except (OSError, ValueError, KeyError, TypeError):
-                total = None
-            if total is not None and layers >= total:
-                raise err("speculative.draft.truncate_layers", f"{layers} is not below the {total} layers of "
-                                                               "source.checkpoint")
-        speculative = SpeculativeSpec(num_tokens=sp.get("num_tokens", 4), checkpoint=draft_ckpt,
-                                      truncate_layers=layers)
-
+    runtime = _runtime_defaults(data.get("runtime", {}), err)
+    quality = _quality_spec(data.get("quality", {}), base, err)
+    calibration = _calibration_spec(data["calibration"], base, err) if "calibration" in data else None
+    speculative = _speculative_spec(data["speculative"], base, checkpoint, err) if "speculative" in data else None
     output = _resolve(base, data["output"]) if "output" in data else Path(DEFAULT_OUTPUT).resolve()
 
-    normalized: dict[str, Any] = {
-        "name": data["name"],
-        "version": data["version"],
-        "source": dict(data["source"]),
-        "target": dict(data["target"]),
-        "passes": [{"name": p.name, "options": p.options} for p in passes],
-        "runtime": dataclasses.asdict(runtime),
-        "quality": {"max_eval_tokens": quality.max_eval_tokens or "auto", **q},
-        "output": data.get("output", DEFAULT_OUTPUT),
-    }
-    if speculative is not None:
-        normalized["speculative"] = {"num_tokens": speculative.num_tokens, "draft": dict(data["speculative"]["draft"])}
-    if calibration is not None:
-        normalized["calibration"] = {**{f.name: getattr(calibration, f.name) for f in dataclasses.fields(calibration)},
-                                     "data": data["calibration"]["data"],
-                                     "num_samples": calibration.num_samples or "auto"}
     recipe = Recipe(
         path=path,
         text=text,
@@ -318,12 +229,130 @@ def load_recipe(path: str | Path, pass_options: Mapping[str, type | None] | None
         quality=quality,
         output=output,
         lines=lines,
-        _data=copy.deepcopy(normalized),
+        _data=copy.deepcopy(_normalized(data, passes, runtime, quality, calibration, speculative)),
         calibration=calibration,
         speculative=speculative,
     )
     log.debug("loaded recipe %s: %s %s, %d passes", file, recipe.name, recipe.version, len(passes))
     return recipe
+
+
+# --------------------------------------------------------------------------- sections
+
+_Err = typing.Callable[[str, str], RecipeError]  # (dotted field, message) -> the error at that field's line
+
+
+def _read_text(path: Path) -> tuple[bytes, str]:
+    """The recipe file's bytes and its UTF-8 text."""
+    file = str(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise RecipeError(file, None, "", f"cannot read recipe: {exc.strerror or exc}") from exc
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RecipeError(file, None, "", f"recipe is not UTF-8 text: {exc}") from exc
+    return raw, text
+
+
+def _check_exists(path: Path, folder: bool, fld: str, what: str, err: _Err) -> None:
+    """`path` (`what`, e.g. "checkpoint folder") must be a folder (`folder`) or a file; else an error at `fld`."""
+    if path.is_dir() if folder else path.is_file():
+        return
+    state = "not found" if not path.exists() else "is not a folder" if folder else "is not a file"
+    raise err(fld, f"{what} {state}: {path}")
+
+
+def _runtime_defaults(section: Mapping[str, Any], err: _Err) -> RuntimeDefaults:
+    """The runtime section: the longest sequence must fit in the KV cache, a decode step of every sequence in
+    a batch."""
+    runtime = RuntimeDefaults(**section)
+    capacity = runtime.num_kv_blocks * runtime.kv_block_size
+    if runtime.max_model_len > capacity:
+        raise err(
+            "runtime.max_model_len",
+            f"{runtime.max_model_len} tokens do not fit in the KV cache "
+            f"(num_kv_blocks {runtime.num_kv_blocks} x kv_block_size {runtime.kv_block_size} = {capacity})",
+        )
+    if runtime.max_num_batched_tokens < runtime.max_num_seqs:
+        raise err(
+            "runtime.max_num_batched_tokens",
+            f"{runtime.max_num_batched_tokens} is below max_num_seqs ({runtime.max_num_seqs}): "
+            "a decode step of every running sequence would not fit",
+        )
+    return runtime
+
+
+def _quality_spec(q: Mapping[str, Any], base: Path, err: _Err) -> QualitySpec:
+    """The quality section; its eval data file must exist."""
+    eval_data = _resolve(base, q["eval_data"]) if "eval_data" in q else None
+    if eval_data is not None:
+        _check_exists(eval_data, False, "quality.eval_data", "eval data file", err)
+    return QualitySpec(
+        eval_data=eval_data,
+        max_eval_tokens=q.get("max_eval_tokens"),
+        max_perplexity=_opt_float(q.get("max_perplexity")),
+        max_perplexity_increase_pct=_opt_float(q.get("max_perplexity_increase_pct")),
+        max_kl_divergence=_opt_float(q.get("max_kl_divergence")),
+        min_token_agreement=_opt_float(q.get("min_token_agreement")),
+        agreement_prompts=tuple(q.get("agreement_prompts", ())),
+        agreement_tokens=q.get("agreement_tokens", DEFAULT_AGREEMENT_TOKENS),
+        allow_unevaluated=bool(q.get("allow_unevaluated", False)),
+    )
+
+
+def _calibration_spec(c: Mapping[str, Any], base: Path, err: _Err) -> CalibrationSpec:
+    """The calibration section; its data file must exist."""
+    calib_data = _resolve(base, c["data"])
+    _check_exists(calib_data, False, "calibration.data", "calibration data file", err)
+    return CalibrationSpec(data=calib_data, **{k: v for k, v in c.items() if k != "data"})
+
+
+def _speculative_spec(sp: Mapping[str, Any], base: Path, checkpoint: Path, err: _Err) -> SpeculativeSpec:
+    """The speculative section: a draft checkpoint folder other than the source's, or fewer decoder layers than
+    the source checkpoint has."""
+    draft = sp["draft"]
+    draft_ckpt = None
+    if "checkpoint" in draft:
+        draft_ckpt = _resolve(base, draft["checkpoint"])
+        _check_exists(draft_ckpt, True, "speculative.draft.checkpoint", "draft checkpoint folder", err)
+        if draft_ckpt == checkpoint:
+            raise err("speculative.draft.checkpoint", "the draft must be another (smaller) checkpoint than "
+                                                      "source.checkpoint")
+    layers = draft.get("truncate_layers")
+    if layers is not None:
+        try:
+            total = int(json.loads((checkpoint / "config.json").read_text("utf-8"))["num_hidden_layers"])
+        except (OSError, ValueError, KeyError, TypeError):
+            total = None
+        if total is not None and layers >= total:
+            raise err("speculative.draft.truncate_layers", f"{layers} is not below the {total} layers of "
+                                                           "source.checkpoint")
+    return SpeculativeSpec(num_tokens=sp.get("num_tokens", 4), checkpoint=draft_ckpt, truncate_layers=layers)
+
+
+def _normalized(data: Mapping[str, Any], passes: tuple[PassSpec, ...], runtime: RuntimeDefaults,
+                quality: QualitySpec, calibration: CalibrationSpec | None, speculative: SpeculativeSpec | None
+                ) -> dict[str, Any]:
+    """The recipe as plain JSON data (Recipe.as_dict): defaults filled in, paths as written in the file."""
+    normalized: dict[str, Any] = {
+        "name": data["name"],
+        "version": data["version"],
+        "source": dict(data["source"]),
+        "target": dict(data["target"]),
+        "passes": [{"name": p.name, "options": p.options} for p in passes],
+        "runtime": dataclasses.asdict(runtime),
+        "quality": {"max_eval_tokens": quality.max_eval_tokens or "auto", **data.get("quality", {})},
+        "output": data.get("output", DEFAULT_OUTPUT),
+    }
+    if speculative is not None:
+        normalized["speculative"] = {"num_tokens": speculative.num_tokens, "draft": dict(data["speculative"]["draft"])}
+    if calibration is not None:
+        normalized["calibration"] = {**{f.name: getattr(calibration, f.name) for f in dataclasses.fields(calibration)},
+                                     "data": data["calibration"]["data"],
+                                     "num_samples": calibration.num_samples or "auto"}
+    return normalized
 
 
 # --------------------------------------------------------------------------- YAML and lines

@@ -6,6 +6,7 @@ checkpoints, SmoothQuant's migration, the quality gate on the demo, and the targ
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -294,6 +295,7 @@ def test_smoothquant_keeps_the_float_function_and_records_its_migration(small: d
     from compiler.models.llama import LlamaForwardBatchModel
     from compiler.passes import BuildContext
     from compiler.passes.quantize_int8 import Int8Options, QuantizeInt8Pass
+    from compiler.quant.state import start_quantize
 
     recipe = _recipe(small["folder"], small["llama"], "llama-smooth", "      smoothquant_alpha: 0.5\n")
     p = plan(recipe)
@@ -303,8 +305,9 @@ def test_smoothquant_keeps_the_float_function_and_records_its_migration(small: d
     ctx.artifacts["model"] = model.eval()
     ctx.completed.append("capture")
     reference = {n: t.detach().clone() for n, t in model.state_dict().items()}
-    stats = QuantizeInt8Pass(Int8Options(smoothquant_alpha=0.5))._smooth(ctx, model, {"layers.0.self_attn.q_proj": 1,
-                                                                                     "layers.1.mlp.up_proj": 1}, 0.5)
+    q = replace(start_quantize(ctx, "quantize_int8"),
+                targets={"layers.0.self_attn.q_proj": 1, "layers.1.mlp.up_proj": 1})
+    stats = QuantizeInt8Pass(Int8Options(smoothquant_alpha=0.5))._smooth(q, 0.5)
     assert sorted(stats["smoothquant_scale_spread"]) == ["layers.0.qkv", "layers.1.gate_up"]
     assert all(v > 1.0 for v in stats["smoothquant_scale_spread"].values())
     assert not torch.equal(model.layers[0].input_layernorm.weight, reference["layers.0.input_layernorm.weight"])

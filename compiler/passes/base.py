@@ -53,4 +53,12 @@ class Pass:
         raise NotImplementedError
 
 
-__all__ = ["BuildContext", "BuildError", "NoOptions", "Pass"]
+class QuantizePass(Pass):
+    """Base of the quantize_* passes: they change capture's torch model before lower_onnx, one pass per
+    `quant_kind` in a recipe; `run` opens with compiler/quant/state.py start_quantize."""
+
+    requires: ClassVar[tuple[str, ...]] = ("capture",)
+    quant_kind: ClassVar[str] = "weights"  # what it quantizes: "weights" or "kv_cache"
+
+
+__all__ = ["BuildContext", "BuildError", "NoOptions", "Pass", "QuantizePass"]

@@ -122,104 +122,21 @@ class BuildEnginePass(Pass):
         return missing_for("tensorrt")
 
     def run(self, ctx: BuildContext) -> dict[str, Any]:
-        import onnx
         import tensorrt as trt
 
-        from compiler.trt import EngineLimits, engine_profiles, has_qdq, legalize, unsupported_nodes
-        from runtime.backends.tensorrt import dtype_name, present_machine, trt_logger
+        from runtime.backends.tensorrt import present_machine, trt_logger
 
-        names = [p.name for p in ctx.recipe.passes]
-        for before in ("lower_quant", "plan_cuda_graphs"):
-            if before in names and before not in ctx.completed:
-                raise BuildError(f"build_engine must come after {before!r}")
-        model = ctx.require("onnx", self.name)
-        rewritten = legalize(model)
-        problems = unsupported_nodes(model)
-        if problems:
-            shown = "; ".join(f"{p['node']}: {p['reason']}" for p in problems[:8])
-            more = f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""
-            raise BuildError(f"build_engine: TensorRT's ONNX parser cannot read {len(problems)} node(s): {shown}{more}")
-        rt = ctx.recipe.runtime
-        cfg = ctx.checkpoint.config
-        dtype = ctx.recipe.target.dtype
-        max_len = ctx.max_model_len
-        limits = EngineLimits(rt.max_num_batched_tokens, rt.max_num_seqs, math.ceil(max_len / rt.kv_block_size),
-                              rt.num_kv_blocks, rt.kv_block_size, cfg.num_kv_heads, cfg.head_dim)
-        plan = ctx.artifacts.get("cuda_graphs") or {}
-        buckets = list(plan.get("decode_buckets") or []) if self.config.graph_profiles and plan.get("applies") else []
-        profiles = engine_profiles([i.name for i in model.graph.input], limits, buckets)
+        model, rewritten = self._legalized_graph(ctx)
+        limits, profiles = self._profiles(ctx, model)
         strongly = self.config.strongly_typed
-        if has_qdq(model) and not strongly:
-            raise BuildError("build_engine: the graph holds Q/DQ nodes (explicit quantization); it needs "
-                             "strongly_typed: true")
         machine = present_machine()
-        bar = ctx.artifacts.get("progress")
 
         logger = trt_logger(trt)
         builder = trt.Builder(logger)
-        flags = (1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)) if strongly else 0
-        network = builder.create_network(flags)
-        parser = trt.OnnxParser(network, logger)
-        t0 = time.perf_counter()
-        with tempfile.TemporaryDirectory(prefix="optimize-trt-") as tmp:
-            onnx_path, streamed = write_parser_input(model, Path(tmp))
-            try:
-                parsed = parser.parse_from_file(str(onnx_path))
-            finally:
-                if not streamed:  # save_model moved the weights out of the in-memory proto: read them back
-                    onnx.external_data_helper.load_external_data_for_model(model, tmp)
-        if not parsed:
-            errors = [_parser_error(parser.get_error(i)) for i in range(parser.num_errors)] or logger.errors[-5:]
-            raise BuildError("build_engine: TensorRT's ONNX parser refused the graph: " + "; ".join(errors[:8]))
-        parse_s = time.perf_counter() - t0
-
-        config = builder.create_builder_config()
-        config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(self.config.workspace_gib * (1 << 30)))
-        config.builder_optimization_level = self.config.optimization_level
-        precision_flags: list[str] = []
-        if not strongly and dtype in _TRT_DTYPE_FLAGS:
-            config.set_flag(getattr(trt.BuilderFlag, _TRT_DTYPE_FLAGS[dtype]))
-            precision_flags.append(_TRT_DTYPE_FLAGS[dtype])
-        if self.config.tf32:
-            config.set_flag(trt.BuilderFlag.TF32)
-            precision_flags.append("TF32")
-        else:
-            config.clear_flag(trt.BuilderFlag.TF32)
-        cache_in = b""
-        if self.config.timing_cache is not None:
-            cache_in = timing_cache_path(ctx.recipe, self.config.timing_cache).read_bytes()
-        cache = config.create_timing_cache(cache_in)
-        if not config.set_timing_cache(cache, False):
-            raise BuildError(f"build_engine: timing cache {self.config.timing_cache} does not match this GPU or "
-                             f"TensorRT version (TensorRT {machine['tensorrt_version']}, {machine['gpu']})")
-        for p in profiles:
-            prof = builder.create_optimization_profile()
-            for name, (lo, opt, hi) in p.shapes.items():
-                prof.set_shape(name, tuple(lo), tuple(opt), tuple(hi))
-            config.add_optimization_profile(prof)
-        if bar is not None and hasattr(trt, "IProgressMonitor"):
-            config.progress_monitor = _progress_monitor(trt, bar)
-
-        t0 = time.perf_counter()
-        serialized = builder.build_serialized_network(network, config)
-        if serialized is None:
-            raise BuildError("build_engine: TensorRT could not build the engine: "
-                             + ("; ".join(logger.errors[-5:]) or "no reason given"))
-        engine_bytes = bytes(memoryview(serialized))
-        cache_out = bytes(memoryview(config.get_timing_cache().serialize()))
-        build_s = time.perf_counter() - t0
-        runtime = trt.Runtime(logger)
-        engine = runtime.deserialize_cuda_engine(engine_bytes)
-        if engine is None:
-            raise BuildError("build_engine: the built engine does not deserialize: " + "; ".join(logger.errors[-3:]))
-        io = {}
-        for i in range(engine.num_io_tensors):
-            n = engine.get_tensor_name(i)
-            io[n] = {"mode": "input" if engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT else "output",
-                     "dtype": dtype_name(engine.get_tensor_dtype(n))}
-        graph_io = [i.name for i in model.graph.input] + [o.name for o in model.graph.output]
-        if sorted(io) != sorted(graph_io):
-            raise BuildError(f"build_engine: engine I/O {sorted(io)} differs from the graph's {sorted(graph_io)}")
+        # the parser holds the weights the network refers to: it lives until the engine is built
+        network, parser, parse_s = _parse(trt, builder, logger, model, strongly)
+        config, precision_flags, cache_in = self._builder_config(trt, builder, ctx, profiles, machine)
+        engine_bytes, cache_out, build_s, layers, io = _build(trt, builder, network, config, logger, model)
 
         record: dict[str, Any] = {
             "tensorrt_version": machine["tensorrt_version"] or str(trt.__version__),
@@ -227,8 +144,8 @@ class BuildEnginePass(Pass):
             "compute_capability": machine["compute_capability"],
             "engine_file": ENGINE_FILE,
             "engine_bytes": len(engine_bytes),
-            "layers": int(engine.num_layers),
-            "dtype": dtype,
+            "layers": layers,
+            "dtype": ctx.recipe.target.dtype,
             "strongly_typed": bool(strongly),
             "precision_flags": precision_flags,
             "optimization_level": self.config.optimization_level,
@@ -251,6 +168,132 @@ class BuildEnginePass(Pass):
         log.info("TensorRT engine: %d layers, %d bytes, %d profiles, built in %.1f s", record["layers"],
                  len(engine_bytes), len(profiles), build_s)
         return record
+
+    def _legalized_graph(self, ctx: BuildContext) -> tuple[Any, Any]:
+        """The graph (after the passes it must follow) with the exact rewrites TensorRT needs; a node TensorRT's
+        ONNX parser cannot read fails the build, named. (the graph, what legalize rewrote)"""
+        from compiler.trt import legalize, unsupported_nodes
+
+        names = [p.name for p in ctx.recipe.passes]
+        for before in ("lower_quant", "plan_cuda_graphs"):
+            if before in names and before not in ctx.completed:
+                raise BuildError(f"build_engine must come after {before!r}")
+        model = ctx.require("onnx", self.name)
+        rewritten = legalize(model)
+        problems = unsupported_nodes(model)
+        if problems:
+            shown = "; ".join(f"{p['node']}: {p['reason']}" for p in problems[:8])
+            more = f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""
+            raise BuildError(f"build_engine: TensorRT's ONNX parser cannot read {len(problems)} node(s): {shown}{more}")
+        return model, rewritten
+
+    def _profiles(self, ctx: BuildContext, model: Any) -> tuple[Any, list[Any]]:
+        """The engine's limits from the recipe's serving limits, and its optimization profiles (mixed, decode and
+        one per CUDA-graph decode bucket); a Q/DQ graph must be strongly typed."""
+        from compiler.trt import EngineLimits, engine_profiles, has_qdq
+
+        rt = ctx.recipe.runtime
+        cfg = ctx.checkpoint.config
+        max_len = ctx.max_model_len
+        limits = EngineLimits(rt.max_num_batched_tokens, rt.max_num_seqs, math.ceil(max_len / rt.kv_block_size),
+                              rt.num_kv_blocks, rt.kv_block_size, cfg.num_kv_heads, cfg.head_dim)
+        plan = ctx.artifacts.get("cuda_graphs") or {}
+        buckets = list(plan.get("decode_buckets") or []) if self.config.graph_profiles and plan.get("applies") else []
+        profiles = engine_profiles([i.name for i in model.graph.input], limits, buckets)
+        if has_qdq(model) and not self.config.strongly_typed:
+            raise BuildError("build_engine: the graph holds Q/DQ nodes (explicit quantization); it needs "
+                             "strongly_typed: true")
+        return limits, profiles
+
+    def _builder_config(self, trt: Any, builder: Any, ctx: BuildContext, profiles: list[Any],
+                        machine: dict[str, Any]) -> tuple[Any, list[str], bytes]:
+        """The builder config: workspace, optimization level, precision flags, the timing cache it starts from,
+        the profiles and the progress monitor. (config, the precision flags set, the timing cache's bytes)"""
+        dtype = ctx.recipe.target.dtype
+        config = builder.create_builder_config()
+        config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(self.config.workspace_gib * (1 << 30)))
+        config.builder_optimization_level = self.config.optimization_level
+        precision_flags: list[str] = []
+        if not self.config.strongly_typed and dtype in _TRT_DTYPE_FLAGS:
+            config.set_flag(getattr(trt.BuilderFlag, _TRT_DTYPE_FLAGS[dtype]))
+            precision_flags.append(_TRT_DTYPE_FLAGS[dtype])
+        if self.config.tf32:
+            config.set_flag(trt.BuilderFlag.TF32)
+            precision_flags.append("TF32")
+        else:
+            config.clear_flag(trt.BuilderFlag.TF32)
+        cache_in = b""
+        if self.config.timing_cache is not None:
+            cache_in = timing_cache_path(ctx.recipe, self.config.timing_cache).read_bytes()
+        cache = config.create_timing_cache(cache_in)
+        if not config.set_timing_cache(cache, False):
+            raise BuildError(f"build_engine: timing cache {self.config.timing_cache} does not match this GPU or "
+                             f"TensorRT version (TensorRT {machine['tensorrt_version']}, {machine['gpu']})")
+        for p in profiles:
+            prof = builder.create_optimization_profile()
+            for name, (lo, opt, hi) in p.shapes.items():
+                prof.set_shape(name, tuple(lo), tuple(opt), tuple(hi))
+            config.add_optimization_profile(prof)
+        bar = ctx.artifacts.get("progress")
+        if bar is not None and hasattr(trt, "IProgressMonitor"):
+            config.progress_monitor = _progress_monitor(trt, bar)
+        return config, precision_flags, cache_in
+
+
+def _parse(trt: Any, builder: Any, logger: Any, model: Any, strongly: bool) -> tuple[Any, Any, float]:
+    """The graph read by TensorRT's ONNX parser into a network (strongly typed unless `strongly` is false), from
+    a temporary folder. (network, parser, seconds)"""
+    import onnx
+
+    flags = (1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)) if strongly else 0
+    network = builder.create_network(flags)
+    parser = trt.OnnxParser(network, logger)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="optimize-trt-") as tmp:
+        onnx_path, streamed = write_parser_input(model, Path(tmp))
+        try:
+            parsed = parser.parse_from_file(str(onnx_path))
+        finally:
+            if not streamed:  # save_model moved the weights out of the in-memory proto: read them back
+                onnx.external_data_helper.load_external_data_for_model(model, tmp)
+    if not parsed:
+        errors = [_parser_error(parser.get_error(i)) for i in range(parser.num_errors)] or logger.errors[-5:]
+        raise BuildError("build_engine: TensorRT's ONNX parser refused the graph: " + "; ".join(errors[:8]))
+    return network, parser, time.perf_counter() - t0
+
+
+def _build(trt: Any, builder: Any, network: Any, config: Any, logger: Any, model: Any
+           ) -> tuple[bytes, bytes, float, int, dict[str, dict[str, str]]]:
+    """The engine built, and deserialized again to check its I/O against the graph's. (its bytes, the updated
+    timing cache, seconds, its layers, its I/O tensors)"""
+    t0 = time.perf_counter()
+    serialized = builder.build_serialized_network(network, config)
+    if serialized is None:
+        raise BuildError("build_engine: TensorRT could not build the engine: "
+                         + ("; ".join(logger.errors[-5:]) or "no reason given"))
+    engine_bytes = bytes(memoryview(serialized))
+    cache_out = bytes(memoryview(config.get_timing_cache().serialize()))
+    build_s = time.perf_counter() - t0
+    runtime = trt.Runtime(logger)
+    engine = runtime.deserialize_cuda_engine(engine_bytes)
+    if engine is None:
+        raise BuildError("build_engine: the built engine does not deserialize: " + "; ".join(logger.errors[-3:]))
+    return engine_bytes, cache_out, build_s, int(engine.num_layers), _engine_io(trt, engine, model)
+
+
+def _engine_io(trt: Any, engine: Any, model: Any) -> dict[str, dict[str, str]]:
+    """The engine's I/O tensors (mode and dtype), which must be the graph's."""
+    from runtime.backends.tensorrt import dtype_name
+
+    io = {}
+    for i in range(engine.num_io_tensors):
+        n = engine.get_tensor_name(i)
+        io[n] = {"mode": "input" if engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT else "output",
+                 "dtype": dtype_name(engine.get_tensor_dtype(n))}
+    graph_io = [i.name for i in model.graph.input] + [o.name for o in model.graph.output]
+    if sorted(io) != sorted(graph_io):
+        raise BuildError(f"build_engine: engine I/O {sorted(io)} differs from the graph's {sorted(graph_io)}")
+    return io
 
 
 def write_parser_input(model: Any, folder: Path) -> tuple[Path, int]:

@@ -22,11 +22,12 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from compiler.passes.base import BuildContext, BuildError, Pass
+from compiler.passes.base import BuildContext, BuildError, QuantizePass
 from compiler.quant.common import Int4WeightSizes, check_group_size, matches
 
 if TYPE_CHECKING:  # pragma: no cover
     from compiler.quant.calibration import LayerRunner
+    from compiler.quant.state import QuantRun
 
 log = logging.getLogger(__name__)
 
@@ -136,14 +137,12 @@ class AwqOptions:
             raise ValueError("n_grid and clip_tokens must be >= 1 and max_shrink in [0, 1)")
 
 
-class QuantizeAwqPass(Int4WeightSizes, Pass):
+class QuantizeAwqPass(Int4WeightSizes, QuantizePass):
     """INT4 weight-only AWQ: activation-aware scale search and clipping search, then round to nearest."""
 
     name: ClassVar[str] = "quantize_awq"
     Config = AwqOptions
-    requires = ("capture",)
     summary = "INT4 weight-only AWQ (scale + clip search on calibration data), asymmetric, per group"
-    quant_kind: ClassVar[str] = "weights"
 
     def needs_calibration(self) -> bool:
         return True
@@ -166,78 +165,36 @@ class QuantizeAwqPass(Int4WeightSizes, Pass):
         return None
 
     def run(self, ctx: BuildContext) -> dict[str, Any]:
-        from compiler.quant import int4
-        from compiler.quant.calibration import LayerRunner, float32_search, load_calibration
-        from compiler.quant.state import (
-            QuantizedWeight,
-            begin,
-            parameters_read,
-            progress_done,
-            progress_task,
-            quant_state,
-            skipped_modules,
-            stats_for,
-            target_linears,
-            write_weight,
-        )
+        from compiler.quant.calibration import float32_search, load_calibration
+        from compiler.quant.state import start_quantize
 
         c = self.config
         if ctx.checkpoint.config.post_norm:  # the scale groups fold scales into the norm before each group
             raise BuildError(f"{self.name}: {ctx.checkpoint.config.architecture} normalises the attention's and "
                              "the MLP's outputs (post-norm), so no norm precedes q/k/v or gate/up to fold AWQ's "
                              "scales into; use quantize_gptq or quantize_rtn")
-        model = begin(ctx, self.name)
-        # streamed: parameter -> its checkpoint reader, for the parameters capture left unread
-        deferred: dict[str, tuple[int, Any]] = ctx.artifacts.get("deferred_params", {})
-
-        def streamed_under(prefix: str) -> list[str]:
-            return [n for n in deferred if n.startswith(prefix)]
-
-        with float32_search(model, deferred):  # searches in float32 on the target's weights
-            st = quant_state(ctx)
-            targets = target_linears(model, c.ignore)
+        q = start_quantize(ctx, self.name, c.ignore)
+        with float32_search(q.model, q.deferred):  # searches in float32 on the target's weights
             cal = load_calibration(ctx, self.name)
             if c.search == "fit":
-                if deferred:  # compiler/memory.py streaming_reason refuses this recipe before the build
+                if q.deferred:  # compiler/memory.py streaming_reason refuses this recipe before the build
                     raise BuildError(f"{self.name}: search 'fit' fits every layer at once and needs the whole model")
-                return self._run_fit(ctx, model, st, targets, cal)
-            with parameters_read(model, deferred, streamed_under("embed_tokens.")):
-                runner = LayerRunner(model, cal.samples)
-            bar, task = progress_task(ctx, "awq", len(model.layers))
+                return self._run_fit(ctx, q, cal)
+            runner = q.layer_runner(cal.samples)
             report = _GridReport()
-            for i, layer in enumerate(model.layers):
-                prefix = f"layers.{i}"
-                with parameters_read(model, deferred, streamed_under(prefix + ".")):
-                    stored = self._quantize_layer(i, layer, runner, targets, report)
-                    for n, q in stored.items():
-                        name = f"{prefix}.{n}.weight"
-                        method = "rtn" if f"{prefix}.{n}" in report.unseen else "awq"
-                        # a streamed layer's codes go to disk: its weights are dropped with the layer
-                        st.weights[name] = QuantizedWeight(name, method,
-                                                           int4.SpilledInt4(name, q) if name in deferred else q)
-                if bar is not None:
-                    bar.advance(task)
-            progress_done(bar, task)
-            # Linears outside the decoder layers' groups (an un-ignored lm_head): round to nearest
-            for name, lin in targets.items():
-                if f"{name}.weight" not in st.weights:
-                    source = deferred.get(f"{name}.weight")
-                    if source is not None:  # streamed: rounded when package writes it
-                        st.weights[f"{name}.weight"] = QuantizedWeight(
-                            f"{name}.weight", "rtn", int4.StreamedInt4(f"{name}.weight", source[1], c.group_size,
-                                                                       False))
-                        continue
-                    q = int4.quantize_rtn(lin.weight, c.group_size)
-                    write_weight(lin, q.dequantize())
-                    st.weights[f"{name}.weight"] = QuantizedWeight(f"{name}.weight", "rtn", q)
-            st.weight_method = self.name
-            extra = {"streamed_layers": len(model.layers)} if deferred else {}
+            for i, layer, prefix in q.layers("awq"):
+                stored = self._quantize_layer(i, layer, runner, q.targets, report)
+                for n, w in stored.items():
+                    method = "rtn" if f"{prefix}.{n}" in report.unseen else "awq"
+                    q.keep_int4(f"{prefix}.{n}.weight", method, w)
+            q.round_rest(c.group_size)  # Linears outside the decoder layers' groups (an un-ignored lm_head)
+            extra = {"streamed_layers": len(q.model.layers)} if q.deferred else {}
             return {"method": "awq", "bits": 4, "group_size": c.group_size, "symmetric": False,
                     "rounding": c.rounding, "search": "grid", "calibration": cal.record,
                     "scale_ratios": dict(sorted(report.ratios.items())),
                     "scale_groups_skipped": dict(sorted(report.skipped_groups.items())),
                     "clipped_linears": report.clipped, "unseen_rtn": report.unseen,
-                    **stats_for(st, model, skipped_modules(model, st.weights, c.ignore)), **extra}
+                    **q.finish(), **extra}
 
     def _quantize_layer(self, i: int, layer: Any, runner: LayerRunner, targets: dict[str, Any],
                         report: _GridReport) -> dict[str, Any]:
@@ -298,25 +255,19 @@ class QuantizeAwqPass(Int4WeightSizes, Pass):
             runner.hidden = next_hidden
         return stored
 
-    def _run_fit(self, ctx: BuildContext, model: Any, st: Any, targets: dict[str, Any], cal: Any) -> dict[str, Any]:
+    def _run_fit(self, ctx: BuildContext, q: QuantRun, cal: Any) -> dict[str, Any]:
         """search "fit": every layer's scale groups fitted at once (awq_fit.fit), then folded and rounded
         group by group in layer order; a later group's scale divides the rows of an already stored
         Linear (v before o, up before down) exactly, as awq.rescale_rows."""
         import torch
 
         from compiler.models.moe import SparseMoeBlock
-        from compiler.quant import awq, awq_fit, int4
+        from compiler.quant import awq_fit
         from compiler.quant.calibration import LayerRunner
-        from compiler.quant.state import (
-            QuantizedWeight,
-            progress_done,
-            progress_task,
-            skipped_modules,
-            stats_for,
-            write_weight,
-        )
+        from compiler.quant.state import progress_done, progress_task
 
         c = self.config
+        model = q.model
         if any(isinstance(layer.mlp, SparseMoeBlock) for layer in model.layers):
             raise BuildError(f"{self.name}: search 'fit' does not cover mixture-of-experts layers; use search 'grid'")
         runner = LayerRunner(model, cal.samples, c.fit_batch_tokens)
@@ -324,16 +275,8 @@ class QuantizeAwqPass(Int4WeightSizes, Pass):
             raise BuildError(f"{self.name}: search 'fit' needs every layer to attend to its whole causal past with "
                              f"plain softmax scores ({ctx.checkpoint.config.architecture} has sliding windows or "
                              "soft-capping); use search 'grid'")
-        plan: list[tuple[str, Any, ScaleGroupSpec, awq_fit.FitGroup]] = []
         skipped_groups: dict[str, str] = {}
-        for i, layer in enumerate(model.layers):
-            prefix = f"layers.{i}"
-            for g in scale_groups(layer):
-                lins = [(f"{prefix}.{n}", layer.get_submodule(n), f"{prefix}.{n}" in targets) for n in g.consumers]
-                tie, scaled = None, any(t for _, _, t in lins)
-                if scaled:
-                    scaled, tie = self._fold(layer, prefix, g, lins[0][1].in_features, skipped_groups)
-                plan.append((prefix, layer, g, awq_fit.FitGroup(f"{prefix}.{g.name}", lins, tie, scaled)))
+        plan = self._fit_plan(model, q.targets, skipped_groups)
 
         def forward(b: int) -> torch.Tensor:
             x = runner.hidden[b]  # the embeddings of batch b
@@ -346,6 +289,47 @@ class QuantizeAwqPass(Int4WeightSizes, Pass):
                              c.fit_lr_scale, c.fit_lr_clip, seed=int(cal.record["seed"]),
                              on_epoch=lambda _e, _kl: bar.advance(task) if bar is not None else None)
         progress_done(bar, task)
+        stored, spread = self._apply_fit(plan, result)
+        for name, w in stored.items():
+            q.keep_int4(f"{name}.weight", "awq", w)
+        q.round_rest(c.group_size)  # outside the scale groups (an un-ignored lm_head): to nearest
+        factors = torch.cat([torch.cat([a.flatten(), b.flatten()]) for a, b in result.clips.values()])
+        return {"method": "awq", "bits": 4, "group_size": c.group_size, "symmetric": False, "rounding": "nearest",
+                "search": "fit", "calibration": cal.record,
+                "fit": {"epochs": c.fit_epochs, "batches": len(runner.hidden), "batch_tokens": c.fit_batch_tokens, "lr_scale": c.fit_lr_scale,
+                        "lr_clip": c.fit_lr_clip, "kl_per_epoch": [round(k, 6) for k in result.kl],
+                        "clip_factor_mean": round(float(factors.mean()), 4),
+                        "clip_factor_min": round(float(factors.min()), 4)},
+                "scale_spread": dict(sorted(spread.items())),  # max(s) / min(s) of each group
+                "scale_groups_skipped": dict(sorted(skipped_groups.items())),
+                **q.finish()}
+
+    def _fit_plan(self, model: Any, targets: dict[str, Any], skipped_groups: dict[str, str]
+                  ) -> list[tuple[str, Any, ScaleGroupSpec, Any]]:
+        """search "fit": every layer's scale groups in layer order, as (layer prefix, layer, group, FitGroup);
+        a group whose scale cannot fold into the op before it is fitted unscaled and named in `skipped_groups`."""
+        from compiler.quant import awq_fit
+
+        plan: list[tuple[str, Any, ScaleGroupSpec, awq_fit.FitGroup]] = []
+        for i, layer in enumerate(model.layers):
+            prefix = f"layers.{i}"
+            for g in scale_groups(layer):
+                lins = [(f"{prefix}.{n}", layer.get_submodule(n), f"{prefix}.{n}" in targets) for n in g.consumers]
+                tie, scaled = None, any(t for _, _, t in lins)
+                if scaled:
+                    scaled, tie = self._fold(layer, prefix, g, lins[0][1].in_features, skipped_groups)
+                plan.append((prefix, layer, g, awq_fit.FitGroup(f"{prefix}.{g.name}", lins, tie, scaled)))
+        return plan
+
+    def _apply_fit(self, plan: list[tuple[str, Any, ScaleGroupSpec, Any]], result: Any
+                   ) -> tuple[dict[str, Any], dict[str, float]]:
+        """The fitted scales folded and the target Linears rounded with their fitted clipping, group by group
+        in `plan`'s order, their weights replaced by the dequantized values. (full Linear name -> its INT4
+        weight, group -> max(s) / min(s))"""
+        from compiler.quant import awq, awq_fit, int4
+        from compiler.quant.state import write_weight
+
+        c = self.config
         stored: dict[str, int4.Int4Weight] = {}  # full Linear name -> its INT4 weight
         spread: dict[str, float] = {}
         for prefix, layer, g, fg in plan:
@@ -364,24 +348,7 @@ class QuantizeAwqPass(Int4WeightSizes, Pass):
                     f_max, f_min = result.clips[name]
                     stored[name] = awq_fit.quantize(lin.weight, c.group_size, f_max, f_min)
                     write_weight(lin, stored[name].dequantize())
-        for name, q in stored.items():
-            st.weights[f"{name}.weight"] = QuantizedWeight(f"{name}.weight", "awq", q)
-        for name, lin in targets.items():  # outside the scale groups (an un-ignored lm_head): to nearest
-            if f"{name}.weight" not in st.weights:
-                q = int4.quantize_rtn(lin.weight, c.group_size)
-                write_weight(lin, q.dequantize())
-                st.weights[f"{name}.weight"] = QuantizedWeight(f"{name}.weight", "rtn", q)
-        st.weight_method = self.name
-        factors = torch.cat([torch.cat([a.flatten(), b.flatten()]) for a, b in result.clips.values()])
-        return {"method": "awq", "bits": 4, "group_size": c.group_size, "symmetric": False, "rounding": "nearest",
-                "search": "fit", "calibration": cal.record,
-                "fit": {"epochs": c.fit_epochs, "batches": len(runner.hidden), "batch_tokens": c.fit_batch_tokens, "lr_scale": c.fit_lr_scale,
-                        "lr_clip": c.fit_lr_clip, "kl_per_epoch": [round(k, 6) for k in result.kl],
-                        "clip_factor_mean": round(float(factors.mean()), 4),
-                        "clip_factor_min": round(float(factors.min()), 4)},
-                "scale_spread": dict(sorted(spread.items())),  # max(s) / min(s) of each group
-                "scale_groups_skipped": dict(sorted(skipped_groups.items())),
-                **stats_for(st, model, skipped_modules(model, st.weights, c.ignore))}
+        return stored, spread
 
     def _quantize(self, prefix: str, g: ScaleGroupSpec, mods: dict[str, Any], targets: dict[str, Any],
                   inputs: dict[str, list[Any]], stored: dict[str, Any], unseen: list[str]) -> int:

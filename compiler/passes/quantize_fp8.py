@@ -24,11 +24,13 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from compiler.passes.base import BuildContext, Pass
+from compiler.passes.base import BuildContext, QuantizePass
 from compiler.quant.common import matches
 
 if TYPE_CHECKING:  # pragma: no cover - torch is imported where a pass runs (not by the dry run)
+    from compiler.quant.calibration import LayerRunner
     from compiler.quant.fp8 import Fp8Weight
+    from compiler.quant.state import QuantRun
 
 log = logging.getLogger(__name__)
 
@@ -40,14 +42,12 @@ class Fp8Options:
     ignore: list[str] = field(default_factory=lambda: ["lm_head", "embed_tokens"])
 
 
-class QuantizeFp8Pass(Pass):
+class QuantizeFp8Pass(QuantizePass):
     """FP8 E4M3 weights (per channel / per tensor) and activations (static per tensor / dynamic per token)."""
 
     name: ClassVar[str] = "quantize_fp8"
     Config = Fp8Options
-    requires = ("capture",)
     summary = "FP8 E4M3 weights (per channel) and activations (static per tensor or dynamic per token)"
-    quant_kind: ClassVar[str] = "weights"
 
     def estimated_bytes(self, module: str, shape: tuple[int, ...], kind: str | None) -> int | None:
         """Stored bytes of a checkpoint tensor after this pass (None: left as it is), for the dry run."""
@@ -64,29 +64,12 @@ class QuantizeFp8Pass(Pass):
 
         from compiler.quant.calibration import LayerRunner, load_calibration
         from compiler.quant.fp8 import StreamedFp8
-        from compiler.quant.state import (
-            begin,
-            layer_linears,
-            parameters_read,
-            progress_done,
-            progress_task,
-            quant_state,
-            skipped_modules,
-            stats_for,
-            target_linears,
-        )
+        from compiler.quant.state import start_quantize
 
         c = self.config
-        model = begin(ctx, self.name)
-        st = quant_state(ctx)
+        q = start_quantize(ctx, self.name, c.ignore)
+        model, st = q.model, q.st
         per_channel = c.weights == "per_channel"
-        # streamed: parameter -> its checkpoint reader, for the parameters capture left unread
-        deferred: dict[str, tuple[int, Any]] = ctx.artifacts.get("deferred_params", {})
-
-        def streamed_under(prefix: str) -> list[str]:
-            return [n for n in deferred if n.startswith(prefix)]
-
-        targets = target_linears(model, c.ignore)
         embeddings = {n: m for n, m in model.named_modules()
                       if isinstance(m, torch.nn.Embedding) and not matches(n, c.ignore)}
         static = c.activations == "static"
@@ -94,54 +77,22 @@ class QuantizeFp8Pass(Pass):
         amax: dict[str, float] = {}
         record: dict[str, Any] = {}
         unseen: list[str] = []  # Linears no calibration token reached (experts): the layer's range of their role
-        runner = None
         if static:
             cal = load_calibration(ctx, self.name)
             record = cal.record
             # the embedding in memory for the moment (streamed): FP8 first where it is quantized, then the
             # calibration tokens' hidden states
-            with parameters_read(model, deferred, streamed_under("embed_tokens.")):
-                self._quantize_embeddings(st, embeddings, deferred, read=True)
+            with q.reading("embed_tokens."):
+                self._quantize_embeddings(st, embeddings, q.deferred, read=True)
                 runner = LayerRunner(model, cal.samples)
+            self._calibrate(q, runner, per_channel, amax, unseen)
         else:
-            self._quantize_embeddings(st, embeddings, deferred, read=False)
-        if runner is not None:
-            bar, task = progress_task(ctx, "fp8 calibration", len(model.layers))
-
-            def sink(n: str, x: torch.Tensor) -> None:
-                if x.numel():  # (an expert no token of a batch was routed to sees 0 rows)
-                    amax[n] = max(amax.get(n, 0.0), float(x.abs().max()))
-
-            for i, layer in enumerate(model.layers):
-                mine = layer_linears(layer, f"layers.{i}", targets)
-                with parameters_read(model, deferred, streamed_under(f"layers.{i}.")):  # streamed: this layer
-                    runner.capture(i, mine, sink=sink)  # inputs with the earlier layers quantized
-                    for n, lin in mine.items():
-                        if n not in amax:  # an expert no calibration token reached: the layer's largest input
-                            # range of the same role (its gate/up read the same norm output as the others)
-                            role = n.rsplit(".", 1)[-1]
-                            amax[n] = max((v for k, v in amax.items() if k.startswith(f"layers.{i}.")
-                                           and k.endswith(f".{role}")), default=0.0)
-                            unseen.append(n)
-                        self._quantize(st, n, lin, per_channel, amax.get(n), deferred, read=True)
-                    runner.advance(i)
-                if bar is not None:
-                    bar.advance(task)
-            progress_done(bar, task)
-            rest = {n: m for n, m in targets.items() if f"{n}.weight" not in st.weights}
-            if rest:  # outside the decoder layers (an un-ignored lm_head reads the final norm)
-                with torch.no_grad():
-                    top = max((float(model.norm(h).abs().max()) for h in runner.hidden), default=0.0)
-                for n, lin in rest.items():
-                    amax[n] = top
-                    self._quantize(st, n, lin, per_channel, top, deferred, read=False)
-        else:
-            for n, lin in targets.items():
-                self._quantize(st, n, lin, per_channel, None, deferred, read=False)
-        st.weight_method = self.name
-        streamed = sum(1 for q in st.weights.values() if isinstance(q.data, StreamedFp8))
-        extra: dict[str, Any] = {"streamed": streamed} if deferred else {}
-        if deferred and static:
+            self._quantize_embeddings(st, embeddings, q.deferred, read=False)
+            for n, lin in q.targets.items():
+                self._quantize(st, n, lin, per_channel, None, q.deferred, read=False)
+        streamed = sum(1 for w in st.weights.values() if isinstance(w.data, StreamedFp8))
+        extra: dict[str, Any] = {"streamed": streamed} if q.deferred else {}
+        if q.deferred and static:
             extra["streamed_layers"] = len(model.layers)
         log.info("quantize_fp8: %d weights to FP8 E4M3 (%s, activations %s)", len(st.weights), c.weights,
                  c.activations)
@@ -149,8 +100,40 @@ class QuantizeFp8Pass(Pass):
             "method": "fp8", "format": "e4m3fn", "weights": c.weights, "activations": c.activations,
             **({"calibration": record, "unseen_amax_of_role": unseen} if record else {}),
             **({"activation_amax": {k: float(f"{v:.6g}") for k, v in sorted(amax.items())}} if amax else {}),
-            **stats_for(st, model, skipped_modules(model, st.weights, c.ignore, embeddings_supported=True)), **extra,
+            **q.finish(embeddings_supported=True), **extra,
         }
+
+    def _calibrate(self, q: QuantRun, runner: LayerRunner, per_channel: bool, amax: dict[str, float],
+                   unseen: list[str]) -> None:
+        """Static activations: each Linear's input range (`amax`) over the calibration tokens, layer by layer with
+        the earlier layers quantized, and its weight quantized with the scale of that range."""
+        import torch
+
+        from compiler.quant.state import layer_linears
+
+        def sink(n: str, x: torch.Tensor) -> None:
+            if x.numel():  # (an expert no token of a batch was routed to sees 0 rows)
+                amax[n] = max(amax.get(n, 0.0), float(x.abs().max()))
+
+        for i, layer, prefix in q.layers("fp8 calibration"):  # streamed: this layer's weights read
+            mine = layer_linears(layer, prefix, q.targets)
+            runner.capture(i, mine, sink=sink)  # inputs with the earlier layers quantized
+            for n, lin in mine.items():
+                if n not in amax:  # an expert no calibration token reached: the layer's largest input
+                    # range of the same role (its gate/up read the same norm output as the others)
+                    role = n.rsplit(".", 1)[-1]
+                    amax[n] = max((v for k, v in amax.items() if k.startswith(f"{prefix}.")
+                                   and k.endswith(f".{role}")), default=0.0)
+                    unseen.append(n)
+                self._quantize(q.st, n, lin, per_channel, amax.get(n), q.deferred, read=True)
+            runner.advance(i)
+        rest = {n: m for n, m in q.targets.items() if f"{n}.weight" not in q.st.weights}
+        if rest:  # outside the decoder layers (an un-ignored lm_head reads the final norm)
+            with torch.no_grad():
+                top = max((float(q.model.norm(h).abs().max()) for h in runner.hidden), default=0.0)
+            for n, lin in rest.items():
+                amax[n] = top
+                self._quantize(q.st, n, lin, per_channel, top, q.deferred, read=False)
 
     @staticmethod
     def _fp8_of(name: str, module: Any, per_channel: bool, deferred: dict[str, tuple[int, Any]], read: bool

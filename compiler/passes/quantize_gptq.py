@@ -20,7 +20,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from compiler.passes.base import BuildContext, BuildError, Pass
+from compiler.passes.base import BuildContext, BuildError, QuantizePass
 from compiler.quant.common import Int4WeightSizes, check_group_size, sequential_steps
 
 log = logging.getLogger(__name__)
@@ -50,87 +50,47 @@ class GptqOptions:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
 
 
-class QuantizeGptqPass(Int4WeightSizes, Pass):
+class QuantizeGptqPass(Int4WeightSizes, QuantizePass):
     """INT4 weight-only GPTQ with Hessians from calibration inputs, layer by layer."""
 
     name: ClassVar[str] = "quantize_gptq"
     Config = GptqOptions
-    requires = ("capture",)
     summary = "INT4 weight-only GPTQ (Hessian from calibration inputs), asymmetric, per group"
-    quant_kind: ClassVar[str] = "weights"
 
     def needs_calibration(self) -> bool:
         return True
 
     def run(self, ctx: BuildContext) -> dict[str, Any]:
         from compiler.quant import int4
-        from compiler.quant.calibration import LayerRunner, float32_search, load_calibration
-        from compiler.quant.state import (
-            QuantizedWeight,
-            begin,
-            parameters_read,
-            progress_done,
-            progress_task,
-            quant_state,
-            skipped_modules,
-            stats_for,
-            target_linears,
-            write_weight,
-        )
+        from compiler.quant.calibration import float32_search, load_calibration
+        from compiler.quant.state import start_quantize, write_weight
 
         c = self.config
-        model = begin(ctx, self.name)
-        # streamed: parameter -> its checkpoint reader, for the parameters capture left unread
-        deferred: dict[str, tuple[int, Any]] = ctx.artifacts.get("deferred_params", {})
+        q = start_quantize(ctx, self.name, c.ignore)
+        model = q.model
 
-        def streamed_under(prefix: str) -> list[str]:
-            return [n for n in deferred if n.startswith(prefix)]
-
-        def keep(name: str, method: str, q: int4.Int4Weight) -> None:
+        def keep(name: str, method: str, w: int4.Int4Weight) -> None:
             """The quantized weight: written back dequantized (the next steps and layers see it); a streamed
             layer's codes go to disk."""
-            lin = model.get_submodule(name)
-            write_weight(lin, q.dequantize())
-            streamed = f"{name}.weight" in deferred
-            st.weights[f"{name}.weight"] = QuantizedWeight(f"{name}.weight", method,
-                                                           int4.SpilledInt4(f"{name}.weight", q) if streamed else q)
+            write_weight(model.get_submodule(name), w.dequantize())
+            q.keep_int4(f"{name}.weight", method, w)
 
-        with float32_search(model, deferred):  # searches in float32 on the target's weights
-            st = quant_state(ctx)
-            targets = target_linears(model, c.ignore)
+        with float32_search(model, q.deferred):  # searches in float32 on the target's weights
             cal = load_calibration(ctx, self.name)
-            with parameters_read(model, deferred, streamed_under("embed_tokens.")):
-                runner = LayerRunner(model, cal.samples)
-            bar, task = progress_task(ctx, "gptq", len(model.layers))
+            runner = q.layer_runner(cal.samples)
             losses: dict[str, float] = {}
             unseen: list[str] = []  # Linears no calibration token reached (experts): rounded to nearest
-            for i, layer in enumerate(model.layers):
-                prefix = f"layers.{i}"
-                with parameters_read(model, deferred, streamed_under(prefix + ".")):
-                    self._quantize_layer(i, layer, prefix, targets, runner, keep, losses, unseen)
-                if bar is not None:
-                    bar.advance(task)
-            progress_done(bar, task)
-            for name, lin in targets.items():  # Linears outside the decoder layers (an un-ignored lm_head)
-                if f"{name}.weight" not in st.weights:
-                    source = deferred.get(f"{name}.weight")
-                    if source is not None:  # streamed: rounded when package writes it
-                        st.weights[f"{name}.weight"] = QuantizedWeight(
-                            f"{name}.weight", "rtn", int4.StreamedInt4(f"{name}.weight", source[1], c.group_size,
-                                                                       c.symmetric))
-                        continue
-                    q = int4.quantize_rtn(lin.weight, c.group_size, symmetric=c.symmetric)
-                    write_weight(lin, q.dequantize())
-                    st.weights[f"{name}.weight"] = QuantizedWeight(f"{name}.weight", "rtn", q)
-            st.weight_method = self.name
-            extra = {"streamed_layers": len(model.layers)} if deferred else {}
+            for i, layer, prefix in q.layers("gptq"):
+                self._quantize_layer(i, layer, prefix, q.targets, runner, keep, losses, unseen)
+            q.round_rest(c.group_size, c.symmetric)  # Linears outside the decoder layers (an un-ignored lm_head)
+            extra = {"streamed_layers": len(model.layers)} if q.deferred else {}
             return {"method": "gptq", "bits": 4, "group_size": c.group_size, "symmetric": c.symmetric,
                     "damp": c.damp, "act_order": c.act_order, "range_search": c.range_search,
                     "precision": c.precision,
                     "calibration": cal.record,
                     "reconstruction_loss": {k: float(f"{v:.6g}") for k, v in sorted(losses.items())},
                     "unseen_rtn": unseen,
-                    **stats_for(st, model, skipped_modules(model, st.weights, c.ignore)), **extra}
+                    **q.finish(), **extra}
 
     def _quantize_layer(self, i: int, layer: Any, prefix: str, targets: dict[str, Any], runner: Any,
                         keep: Any, losses: dict[str, float], unseen: list[str]) -> None:

@@ -22,10 +22,11 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from compiler.passes.base import BuildContext, BuildError, Pass
+from compiler.passes.base import BuildContext, BuildError, QuantizePass
 from compiler.quant.common import matches
 
 if TYPE_CHECKING:  # pragma: no cover
+    from compiler.quant.state import QuantRun
     from compiler.recipe import Recipe
 
 log = logging.getLogger(__name__)
@@ -54,14 +55,12 @@ class Int8Options:
             raise ValueError(f"smoothquant_alpha must be in [0, 1], got {self.smoothquant_alpha}")
 
 
-class QuantizeInt8Pass(Pass):
+class QuantizeInt8Pass(QuantizePass):
     """INT8 weights (per channel) and dynamic INT8 activations (per token / per tensor), optional SmoothQuant."""
 
     name: ClassVar[str] = "quantize_int8"
     Config = Int8Options
-    requires = ("capture",)
     summary = "INT8 W8A8: int8 weights per channel, dynamic int8 activations (ONNX Runtime CPU integer GEMMs)"
-    quant_kind: ClassVar[str] = "weights"
 
     def check_recipe(self, recipe: Recipe) -> tuple[str, str] | None:
         t = recipe.target
@@ -94,22 +93,10 @@ class QuantizeInt8Pass(Pass):
 
     def run(self, ctx: BuildContext) -> dict[str, Any]:
         from compiler.quant import int8
-        from compiler.quant.state import (
-            QuantizedWeight,
-            begin,
-            quant_state,
-            skipped_modules,
-            stats_for,
-            target_linears,
-            write_weight,
-        )
+        from compiler.quant.state import start_quantize
 
         c = self.config
-        model = begin(ctx, self.name)
-        st = quant_state(ctx)
-        targets = target_linears(model, c.ignore)
-        # streamed: parameter -> its checkpoint reader, for the parameters capture left unread
-        deferred: dict[str, tuple[int, Any]] = ctx.artifacts.get("deferred_params", {})
+        q = start_quantize(ctx, self.name, c.ignore)
         extra: dict[str, Any] = {}
         if c.smoothquant_alpha is not None:
             if ctx.checkpoint.config.post_norm:
@@ -119,24 +106,16 @@ class QuantizeInt8Pass(Pass):
                 raise BuildError(f"{self.name}: smoothquant_alpha scales one gate/up pair per layer; "
                                  f"{ctx.checkpoint.config.architecture} routes to experts: leave smoothquant_alpha "
                                  "unset (plain W8A8), or use quantize_awq / quantize_gptq / quantize_fp8")
-            extra = self._smooth(ctx, model, targets, c.smoothquant_alpha, deferred)
-        streamed = 0
-        for name, lin in targets.items():
-            if f"{name}.weight" in st.weights:  # a streamed layer's, quantized while SmoothQuant read it
-                continue
-            source = deferred.get(f"{name}.weight")
-            if source is not None:  # streamed: quantized when package writes it
-                q: int8.Int8Weight = int8.StreamedInt8(f"{name}.weight", source[1], c.activations, c.weight_range)
-                streamed += 1
-            else:
-                q = int8.quantize_weight(lin.weight, c.activations, c.weight_range)
-                write_weight(lin, q.dequantize())
-            st.weights[f"{name}.weight"] = QuantizedWeight(f"{name}.weight", "int8", q)
-        if deferred:
+            extra = self._smooth(q, c.smoothquant_alpha)
+        # a streamed layer's weights were quantized while SmoothQuant read them; the other streamed ones are
+        # quantized when package writes them
+        streamed = q.quantize_rest("int8",
+                                   lambda name, source: int8.StreamedInt8(name, source, c.activations, c.weight_range),
+                                   lambda w: int8.quantize_weight(w, c.activations, c.weight_range))
+        if q.deferred:
             extra["streamed"] = streamed
-        st.weight_method = self.name
         qmax = int8.WEIGHT_QMAX[c.weight_range]
-        log.info("quantize_int8: %d Linear weights to INT8 (codes in [-%d, %d]), activations %s", len(targets),
+        log.info("quantize_int8: %d Linear weights to INT8 (codes in [-%d, %d]), activations %s", len(q.targets),
                  qmax, qmax, c.activations)
         if c.weight_range == "full":
             log.warning("quantize_int8: weight_range full: ONNX Runtime's uint8 x int8 GEMM is exact only on CPUs "
@@ -146,49 +125,33 @@ class QuantizeInt8Pass(Pass):
                 "weight_range": c.weight_range, "weight_qmax": qmax,
                 "exact_on": "every ISA" if c.weight_range == "reduced" else "VNNI / AMX CPUs only",
                 "smoothquant_alpha": c.smoothquant_alpha, **extra,
-                **stats_for(st, model, skipped_modules(model, st.weights, c.ignore))}
+                **q.finish()}
 
-    def _smooth(self, ctx: BuildContext, model: Any, targets: dict[str, Any], alpha: float,
-                deferred: dict[str, tuple[int, Any]] | None = None) -> dict[str, Any]:
-        """Fold SmoothQuant scales into each layer's norms and Linears, layer by layer on calibration data.
-        Streamed (`deferred`): each layer's weights read from the checkpoint for the while, and its Linears
-        quantized from the scaled weights and spilled to disk before they are dropped."""
-        from compiler.quant.calibration import LayerRunner, load_calibration
-        from compiler.quant.state import parameters_read, progress_done, progress_task
+    def _smooth(self, q: QuantRun, alpha: float) -> dict[str, Any]:
+        """Fold SmoothQuant scales into each layer's norms and Linears (`q.targets`), layer by layer on calibration
+        data. Streamed (`q.deferred`): each layer's weights read from the checkpoint for the while, and its
+        Linears quantized from the scaled weights and spilled to disk before they are dropped."""
+        from compiler.quant.calibration import load_calibration
 
-        deferred = deferred or {}
-
-        def streamed_under(prefix: str) -> list[str]:
-            return [n for n in deferred if n.startswith(prefix)]
-
-        cal = load_calibration(ctx, self.name)
-        with parameters_read(model, deferred, streamed_under("embed_tokens.")):
-            runner = LayerRunner(model, cal.samples)
-        bar, task = progress_task(ctx, "smoothquant", len(model.layers))
+        cal = load_calibration(q.ctx, self.name)
+        runner = q.layer_runner(cal.samples)
         migration: dict[str, float] = {}
-        for i, layer in enumerate(model.layers):
-            prefix = f"layers.{i}"
-            with parameters_read(model, deferred, streamed_under(prefix + ".")):
-                self._smooth_layer(i, layer, runner, targets, alpha, migration)
-                if deferred:
-                    self._spill_layer(ctx, prefix, targets, deferred)
-            if bar is not None:
-                bar.advance(task)
-        progress_done(bar, task)
+        for i, layer, prefix in q.layers("smoothquant"):
+            self._smooth_layer(i, layer, runner, q.targets, alpha, migration)
+            if q.deferred:
+                self._spill_layer(q, prefix)
         return {"calibration": cal.record, "smoothquant_scale_spread": dict(sorted(migration.items()))}
 
-    def _spill_layer(self, ctx: BuildContext, prefix: str, targets: dict[str, Any],
-                     deferred: dict[str, tuple[int, Any]]) -> None:
+    def _spill_layer(self, q: QuantRun, prefix: str) -> None:
         """A streamed layer's Linears to INT8 from their (scaled) weights in memory, codes spilled to disk."""
         from compiler.quant import int8
-        from compiler.quant.state import QuantizedWeight, quant_state
+        from compiler.quant.state import QuantizedWeight
 
         c = self.config
-        st = quant_state(ctx)
-        for name, lin in targets.items():
-            if name.startswith(prefix + ".") and f"{name}.weight" in deferred:
-                q = int8.quantize_weight(lin.weight, c.activations, c.weight_range)
-                st.weights[f"{name}.weight"] = QuantizedWeight(f"{name}.weight", "int8", int8.SpilledInt8(q))
+        for name, lin in q.targets.items():
+            if name.startswith(prefix + ".") and f"{name}.weight" in q.deferred:
+                w = int8.quantize_weight(lin.weight, c.activations, c.weight_range)
+                q.st.weights[f"{name}.weight"] = QuantizedWeight(f"{name}.weight", "int8", int8.SpilledInt8(w))
 
     def _smooth_layer(self, i: int, layer: Any, runner: Any, targets: dict[str, Any], alpha: float,
                       migration: dict[str, float]) -> None:

@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-from compiler.passes.base import BuildContext, Pass
+from compiler.passes.base import BuildContext, QuantizePass
 
 log = logging.getLogger(__name__)
 
@@ -26,14 +26,13 @@ class KvCacheOptions:
     dtype: Literal["int8", "fp8"] = "int8"
 
 
-class QuantizeKvCachePass(Pass):
+class QuantizeKvCachePass(QuantizePass):
     """KV cache in INT8 or FP8 E4M3 with per-head scales from calibration."""
 
     name: ClassVar[str] = "quantize_kv_cache"
     Config = KvCacheOptions
-    requires = ("capture",)
     summary = "KV cache INT8 / FP8 E4M3, per-head scales from calibration"
-    quant_kind: ClassVar[str] = "kv_cache"
+    quant_kind = "kv_cache"
 
     def kv_bytes_per_element(self) -> int:
         return 1
@@ -47,33 +46,28 @@ class QuantizeKvCachePass(Pass):
 
         from compiler.quant.calibration import LayerRunner, load_calibration
         from compiler.quant.fp8 import MIN_SCALE
-        from compiler.quant.state import KvCacheQuant, begin, progress_done, progress_task, quant_state
+        from compiler.quant.state import KvCacheQuant, start_quantize
 
-        model = begin(ctx, self.name, weights=False)
-        st = quant_state(ctx)
+        q = start_quantize(ctx, self.name, weights=False)
         dtype, qmax = DTYPES[self.config.dtype]
         cal = load_calibration(ctx, self.name)
-        runner = LayerRunner(model, cal.samples)
-        cfg = model.cfg
+        runner = LayerRunner(q.model, cal.samples)
+        cfg = q.model.cfg
         k_amax = np.zeros((cfg.num_layers, cfg.num_kv_heads), np.float32)
         v_amax = np.zeros_like(k_amax)
-        bar, task = progress_task(ctx, "kv-cache calibration", cfg.num_layers)
         with torch.no_grad():
-            for i, layer in enumerate(model.layers):
+            for i, layer, _ in q.layers("kv-cache calibration", read=False):  # the cache's build never streams
                 for b, x in enumerate(runner.hidden):
-                    k, v = runner.attention_kv(layer, model.attention_input(layer, x), b)  # [T, kvh, d]
+                    k, v = runner.attention_kv(layer, q.model.attention_input(layer, x), b)  # [T, kvh, d]
                     k_amax[i] = np.maximum(k_amax[i], k.abs().amax(dim=(0, 2)).numpy())
                     v_amax[i] = np.maximum(v_amax[i], v.abs().amax(dim=(0, 2)).numpy())
                 runner.advance(i)
-                if bar is not None:
-                    bar.advance(task)
-        progress_done(bar, task)
         k_scales = np.maximum(k_amax / qmax, MIN_SCALE).astype(np.float32)
         v_scales = np.maximum(v_amax / qmax, MIN_SCALE).astype(np.float32)
-        st.kv_cache = KvCacheQuant(dtype, k_scales, v_scales)  # type: ignore[arg-type]
+        q.st.kv_cache = KvCacheQuant(dtype, k_scales, v_scales)  # type: ignore[arg-type]
         return {
             "dtype": dtype, "granularity": "per layer and KV head", "symmetric": True,
-            "weights_quantized_by": st.weight_method, "calibration": cal.record,
+            "weights_quantized_by": q.st.weight_method, "calibration": cal.record,
             "k_scales": [[float(f"{s:.6g}") for s in row] for row in k_scales],
             "v_scales": [[float(f"{s:.6g}") for s in row] for row in v_scales],
         }

@@ -10,21 +10,25 @@ A streamed build's calibrated passes read one decoder layer's weights at a time 
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
 from torch import nn
 
 from compiler.context import BuildContext, BuildError
+from compiler.quant import int4
 from compiler.quant.common import int4_bytes, matches, module_of  # noqa: F401 (re-exported)
 from compiler.quant.fp8 import Fp8Weight
 from compiler.quant.int4 import Int4Weight
 from compiler.quant.int8 import Int8Weight
 from compiler.streamed import as_torch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from compiler.quant.calibration import LayerRunner
 
 
 @dataclass
@@ -161,3 +165,95 @@ def parameters_read(model: Any, deferred: dict[str, tuple[int, Any]], names: lis
             p.data = unread
         kept.clear()
         trim_heap()
+
+
+@dataclass
+class QuantRun:
+    """What every quantize pass opens with (`start_quantize`): the model, the quantization state, the target
+    Linears (all but `ignore`), and a streamed build's unread parameters (capture's `deferred_params`:
+    parameter -> its checkpoint reader); with the steps the passes share over them."""
+
+    ctx: BuildContext
+    by: str  # the pass
+    model: nn.Module
+    st: QuantState
+    targets: dict[str, nn.Linear]
+    deferred: dict[str, tuple[int, Any]]
+    ignore: tuple[str, ...] | list[str]
+
+    def streamed_under(self, prefix: str) -> list[str]:
+        """The unread (streamed) parameters whose names start with `prefix`."""
+        return [n for n in self.deferred if n.startswith(prefix)]
+
+    def reading(self, prefix: str) -> Any:
+        """A context in which the streamed parameters under `prefix` hold their checkpoint values."""
+        return parameters_read(self.model, self.deferred, self.streamed_under(prefix))
+
+    def layer_runner(self, samples: Any) -> LayerRunner:
+        """The calibration windows' hidden states at the first decoder layer (a streamed embedding read for
+        the while)."""
+        from compiler.quant.calibration import LayerRunner
+
+        with self.reading("embed_tokens."):
+            return LayerRunner(self.model, samples)
+
+    def layers(self, description: str, read: bool = True) -> Iterator[tuple[int, nn.Module, str]]:
+        """Each decoder layer as (index, layer, "layers.<index>"), its streamed weights read for the while
+        (`read`), as a task of the build's progress display."""
+        bar, task = progress_task(self.ctx, description, len(self.model.layers))
+        for i, layer in enumerate(self.model.layers):
+            prefix = f"layers.{i}"
+            if read:
+                with self.reading(prefix + "."):
+                    yield i, layer, prefix
+            else:
+                yield i, layer, prefix
+            if bar is not None:
+                bar.advance(task)
+        progress_done(bar, task)
+
+    def keep_int4(self, name: str, method: str, q: Int4Weight) -> None:
+        """Record the INT4 weight `name`; a streamed layer's codes are spilled to disk (its weights are dropped
+        with the layer)."""
+        self.st.weights[name] = QuantizedWeight(name, method, int4.SpilledInt4(name, q) if name in self.deferred
+                                                else q)
+
+    def quantize_rest(self, method: str, streamed: Callable[[str, Any], Any], loaded: Callable[[torch.Tensor], Any]
+                      ) -> int:
+        """Each target Linear not quantized yet, by `method`: a streamed weight as `streamed(name, its checkpoint
+        tensor)` (quantized when package writes it), a weight in memory as `loaded(weight)`, written back
+        dequantized. Returns how many were streamed."""
+        count = 0
+        for name, lin in self.targets.items():
+            key = f"{name}.weight"
+            if key in self.st.weights:
+                continue
+            source = self.deferred.get(key)
+            if source is not None:
+                q = streamed(key, source[1])
+                count += 1
+            else:
+                q = loaded(lin.weight)
+                write_weight(lin, q.dequantize())
+            self.st.weights[key] = QuantizedWeight(key, method, q)
+        return count
+
+    def round_rest(self, group_size: int, symmetric: bool = False) -> int:
+        """quantize_rest to INT4 by round-to-nearest (the RTN pass; the Linears the calibrated methods leave)."""
+        return self.quantize_rest(
+            "rtn", lambda name, source: int4.StreamedInt4(name, source, group_size, symmetric),
+            lambda w: int4.quantize_rtn(w, group_size, symmetric=symmetric))
+
+    def finish(self, embeddings_supported: bool = False) -> dict[str, Any]:
+        """The pass recorded as the weights' method; the manifest stats common to the weight quantizers."""
+        self.st.weight_method = self.by
+        return stats_for(self.st, self.model,
+                         skipped_modules(self.model, self.st.weights, self.ignore, embeddings_supported))
+
+
+def start_quantize(ctx: BuildContext, by: str, ignore: tuple[str, ...] | list[str] = (), weights: bool = True
+                   ) -> QuantRun:
+    """The opening of quantize pass `by` (`begin`'s checks and reference copy), on the Linears not in `ignore`."""
+    model = begin(ctx, by, weights)
+    return QuantRun(ctx, by, model, quant_state(ctx), target_linears(model, ignore),
+                    ctx.artifacts.get("deferred_params", {}), ignore)
