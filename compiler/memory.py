@@ -22,10 +22,10 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from compiler import streamed
 from compiler.checkpoint import _DTYPE_BYTES
 from compiler.quant.common import SEQUENTIAL_ROLES, matches, module_of, sequential_steps
 from compiler.recipe import DEFAULT_CALIBRATION_SAMPLES
-from compiler.streamed import CHUNK_BYTES
 
 if TYPE_CHECKING:  # pragma: no cover
     from compiler.checkpoint import CheckpointInfo
@@ -372,7 +372,7 @@ def package_streamed_bytes(info: CheckpointInfo, passes: list[Any], chunked: boo
     """What a streamed package holds at its peak: STREAM_WORK x the largest checkpoint tensor it computes whole in
     float32 (a quantized weight: the tensor, its quantization's temporaries, the packed result), or a chunk of
     rows of a large float tensor it writes as the checkpoint holds it (the embedding, a kept lm_head:
-    streamed.written_in_chunks; the chunk read and converted, 2 x CHUNK_BYTES). `chunked` False: model.pt2
+    streamed.written_in_chunks; the chunk read and converted, 2 x streamed.CHUNK_BYTES). `chunked` False: model.pt2
     (compiler/streamed_pt2.py), whose records are written whole."""
     sizers = [ps for ps in passes if hasattr(ps, "estimated_bytes")]
     worst = 0
@@ -380,8 +380,8 @@ def package_streamed_bytes(info: CheckpointInfo, passes: list[Any], chunked: boo
         f32 = math.prod(shape) * 4
         module, kind = module_of(name, shape)
         quantized = any(ps.estimated_bytes(module, shape, kind) is not None for ps in sizers)
-        whole = quantized or len(shape) < 2 or f32 <= CHUNK_BYTES or not chunked
-        worst = max(worst, STREAM_WORK * f32 if whole else 2 * CHUNK_BYTES)
+        whole = quantized or len(shape) < 2 or f32 <= streamed.CHUNK_BYTES or not chunked
+        worst = max(worst, STREAM_WORK * f32 if whole else 2 * streamed.CHUNK_BYTES)
     return worst
 
 

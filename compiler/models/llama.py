@@ -23,6 +23,7 @@ targets) calls optimize::paged_attention_flashinfer, FlashInfer's kernels on CUD
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -36,8 +37,6 @@ from compiler.models.moe import SparseMoeBlock, normalize_expert_weights
 
 def local_rope_config(cfg: ModelConfig) -> ModelConfig:
     """`cfg` with the sliding-window layers' own RoPE (Gemma 3's local base) in place of the global one."""
-    import dataclasses
-
     if cfg.local_rope_theta is None:
         return cfg
     return dataclasses.replace(cfg, rope_theta=cfg.local_rope_theta, rope_scaling=cfg.local_rope_scaling)

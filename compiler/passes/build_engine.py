@@ -34,8 +34,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
+from compiler import streamed
 from compiler.passes.base import BuildContext, BuildError, Pass
 from compiler.passes.package import ENGINE_FILE, TIMING_CACHE_FILE
+from compiler.trt import EngineLimits, engine_profiles, has_qdq, legalize, unsupported_nodes
+from runtime.backends.tensorrt import dtype_name, present_machine, trt_logger
+from runtime.gpu import missing_for
 
 log = logging.getLogger(__name__)
 
@@ -117,14 +121,10 @@ class BuildEnginePass(Pass):
         return None
 
     def check_environment(self, recipe: Any) -> str | None:
-        from runtime.gpu import missing_for
-
         return missing_for("tensorrt")
 
     def run(self, ctx: BuildContext) -> dict[str, Any]:
         import tensorrt as trt
-
-        from runtime.backends.tensorrt import present_machine, trt_logger
 
         model, rewritten = self._legalized_graph(ctx)
         limits, profiles = self._profiles(ctx, model)
@@ -172,8 +172,6 @@ class BuildEnginePass(Pass):
     def _legalized_graph(self, ctx: BuildContext) -> tuple[Any, Any]:
         """The graph (after the passes it must follow) with the exact rewrites TensorRT needs; a node TensorRT's
         ONNX parser cannot read fails the build, named. (the graph, what legalize rewrote)"""
-        from compiler.trt import legalize, unsupported_nodes
-
         names = [p.name for p in ctx.recipe.passes]
         for before in ("lower_quant", "plan_cuda_graphs"):
             if before in names and before not in ctx.completed:
@@ -190,8 +188,6 @@ class BuildEnginePass(Pass):
     def _profiles(self, ctx: BuildContext, model: Any) -> tuple[Any, list[Any]]:
         """The engine's limits from the recipe's serving limits, and its optimization profiles (mixed, decode and
         one per CUDA-graph decode bucket); a Q/DQ graph must be strongly typed."""
-        from compiler.trt import EngineLimits, engine_profiles, has_qdq
-
         rt = ctx.recipe.runtime
         cfg = ctx.checkpoint.config
         max_len = ctx.max_model_len
@@ -283,8 +279,6 @@ def _build(trt: Any, builder: Any, network: Any, config: Any, logger: Any, model
 
 def _engine_io(trt: Any, engine: Any, model: Any) -> dict[str, dict[str, str]]:
     """The engine's I/O tensors (mode and dtype), which must be the graph's."""
-    from runtime.backends.tensorrt import dtype_name
-
     io = {}
     for i in range(engine.num_io_tensors):
         n = engine.get_tensor_name(i)
@@ -302,8 +296,6 @@ def write_parser_input(model: Any, folder: Path) -> tuple[Path, int]:
     build's weights (compiler/streamed.py) are computed and written one at a time, in the layout onnx.save_model
     writes, and stay out of the in-memory graph. (the .onnx path, the number of weights streamed)"""
     import onnx
-
-    from compiler import streamed
 
     path = folder / "model.onnx"
     if streamed.streamed_count(model):

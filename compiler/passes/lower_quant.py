@@ -21,6 +21,8 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 
 from compiler.passes.base import BuildContext, BuildError, Pass
+from compiler.streamed import checkable, stored_bytes
+from runtime.kernels.paged_attention_cpu import DOMAIN, OP_TYPE, ROPE_OP_TYPE
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +52,6 @@ INT8_AUTO = {"per_token": "MatMulIntegerToFloat", "per_tensor": "MatMulIntegerTo
 
 def _kernel_reading(g: Any, pool: str) -> Any:
     """The optimize-domain attention node (the paged_cpu kernel) that reads `pool`, if that is its one reader."""
-    from runtime.kernels.paged_attention_cpu import DOMAIN, OP_TYPE, ROPE_OP_TYPE
-
     users = g.consumers(pool)
     if len(users) == 1 and users[0].domain == DOMAIN and users[0].op_type in (OP_TYPE, ROPE_OP_TYPE):
         return users[0]
@@ -59,8 +59,6 @@ def _kernel_reading(g: Any, pool: str) -> Any:
 
 
 def _initializer_bytes(model: Any, names: set[str]) -> int:
-    from compiler.streamed import stored_bytes
-
     return sum(stored_bytes(t) for t in model.graph.initializer if t.name in names)
 
 
@@ -310,8 +308,6 @@ def _check_graph(model: Any) -> None:
     import onnx
 
     try:
-        from compiler.streamed import checkable
-
         onnx.checker.check_model(checkable(model), full_check=True)
     except Exception as e:
         raise BuildError(f"lower_quant: the rewritten graph fails onnx.checker: {str(e).splitlines()[0]}") from e

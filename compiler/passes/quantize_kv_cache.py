@@ -13,6 +13,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
+import numpy as np
+
 from compiler.passes.base import BuildContext, QuantizePass
 
 log = logging.getLogger(__name__)
@@ -41,7 +43,6 @@ class QuantizeKvCachePass(QuantizePass):
         return True
 
     def run(self, ctx: BuildContext) -> dict[str, Any]:
-        import numpy as np
         import torch
 
         from compiler.quant.calibration import LayerRunner, load_calibration

@@ -33,9 +33,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from tokenizers import Tokenizer
 from torch import nn
 
 from compiler.context import BuildError
+from compiler.recipe import DEFAULT_CALIBRATION_SAMPLES
 
 if TYPE_CHECKING:  # pragma: no cover
     from compiler.context import BuildContext
@@ -113,10 +115,6 @@ def load_calibration(ctx: BuildContext, by: str) -> Calibration:
     if spec is None:
         raise BuildError(f"pass {by!r} needs calibration data: add a 'calibration:' section to the recipe "
                          "(data: a local .txt or .jsonl file; num_samples, seq_len, seed)")
-    from tokenizers import Tokenizer
-
-    from compiler.recipe import DEFAULT_CALIBRATION_SAMPLES
-
     text = read_text(spec.data, spec.text_field)
     tok = Tokenizer.from_file(str(ctx.checkpoint.path / "tokenizer.json"))
     ids = tok.encode(text, add_special_tokens=False).ids

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from compiler.context import BuildContext, BuildError
+from compiler.memory import trim_heap
 from compiler.quant import int4
 from compiler.quant.common import int4_bytes, matches, module_of  # noqa: F401 (re-exported)
 from compiler.quant.fp8 import Fp8Weight
@@ -148,8 +149,6 @@ def skipped_modules(model: nn.Module, quantized: dict[str, Any], ignore: tuple[s
 def parameters_read(model: Any, deferred: dict[str, tuple[int, Any]], names: list[str]) -> Iterator[None]:
     """The streamed parameters `names` of `model` hold their checkpoint values for the duration (read one at
     a time from capture's `deferred_params`); then their unread storage again (the values are freed)."""
-    from compiler.memory import trim_heap
-
     kept: list[tuple[Any, Any]] = []
     try:
         for name in names:

@@ -41,9 +41,9 @@ from typing import Any
 
 import numpy as np
 
+from runtime import gpu
 from runtime.backends import read_geometry
 from runtime.forward_batch import ForwardBatch
-from runtime.gpu import missing_for, probe
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ def engine_record(manifest: dict[str, Any]) -> dict[str, Any] | None:
 
 def present_machine() -> dict[str, str | None]:
     """This machine's TensorRT version, first GPU's name and compute capability (None when absent)."""
-    env = probe(("tensorrt",))
+    env = gpu.probe(("tensorrt",))
     dev = env.devices[0] if env.devices else None
     return {"tensorrt_version": env.packages.get("tensorrt"), "gpu": dev.name if dev else None,
             "compute_capability": dev.compute_capability if dev else None}
@@ -248,7 +248,7 @@ class TensorRTBackend:
         problem = engine_compatibility(record, present_machine())
         if problem is not None:
             raise RuntimeError(problem)
-        missing = missing_for("tensorrt")
+        missing = gpu.missing_for("tensorrt")
         if missing is not None:
             raise RuntimeError(missing)
         import pycuda.driver as cuda

@@ -18,6 +18,7 @@ from aiohttp import web
 
 from runtime.artifact import Artifact, ArtifactError, quality_line, read_manifest, sha256_file
 from runtime.async_engine import AsyncEngine, warm_up
+from runtime.engine import LLMEngine
 from runtime.kv_events import KVEventPublisher
 from runtime.metrics import CONTENT_TYPE, ServingMetrics
 from runtime.server.codec import ChatTemplate, TextCodec
@@ -95,8 +96,6 @@ class Server:
 
     def _load(self) -> tuple[Any, float]:
         """Worker thread: verify, load and warm up. Returns (LLMEngine, warm-up seconds)."""
-        from runtime.engine import LLMEngine
-
         c = self.config
         artifact = Artifact.open(c.artifact, verify=True)
         engine = LLMEngine(artifact, num_blocks=c.num_kv_blocks, max_num_seqs=c.max_num_seqs,

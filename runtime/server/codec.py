@@ -9,15 +9,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
 from runtime.server.errors import invalid
+from runtime.tokenizer import load_tokenizer
 
 
 class TextCodec:
     """The artifact's tokenizer on the HTTP side (encode, decode, one token's text for logprobs)."""
 
     def __init__(self, folder: Path) -> None:
-        from runtime.tokenizer import load_tokenizer
-
         self._tok = load_tokenizer(folder)
         self.vocab_size = self._tok.get_vocab_size()
         self._pieces: dict[int, str] = {}
@@ -60,9 +62,6 @@ class ChatTemplate:
         self.eos_token = special_token(tokenizer_config, "eos_token")
         self._template: Any = None
         if self.source is not None:
-            from jinja2.exceptions import TemplateError
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-
             def raise_exception(message: str) -> None:
                 raise TemplateError(message)
 
@@ -78,8 +77,6 @@ class ChatTemplate:
         if self._template is None:
             parts = [f"### {m['role'].capitalize()}:\n{m['content']}\n\n" for m in messages]
             return "".join(parts) + "### Assistant:\n", True
-        from jinja2.exceptions import TemplateError
-
         try:
             text = self._template.render(messages=messages, add_generation_prompt=True,
                                          bos_token=self.bos_token, eos_token=self.eos_token)
