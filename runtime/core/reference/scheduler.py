@@ -61,25 +61,25 @@ logger = logging.getLogger(__name__)
 __all__ = ["BatchEntry", "PrefixCacheStats", "ScheduledBatch", "Scheduler", "SchedulerConfig"]
 
 
-def _token(value: object, what: str) -> int:
-    """A token id as a Python int in [0, 2**63); TypeError/ValueError naming `what` otherwise."""
+def _int64(value: object, expected: str, named: str) -> int:
+    """An integer in [0, 2**63) as a Python int: TypeError "`expected`, got TYPE" or ValueError "`named` VALUE
+    outside [0, 2**63)" otherwise, as the C core's parse_token and parse_seq_id say."""
     try:
-        t = operator.index(value)  # type: ignore[arg-type]
+        v = operator.index(value)  # type: ignore[arg-type]
     except TypeError:
-        raise TypeError(f"{what}: expected an integer token id, got {type(value).__name__}") from None
-    if t < 0 or t > I64_MAX:
-        raise ValueError(f"{what}: token id {t} outside [0, 2**63)")
-    return t
+        raise TypeError(f"{expected}, got {type(value).__name__}") from None
+    if v < 0 or v > I64_MAX:
+        raise ValueError(f"{named} {v} outside [0, 2**63)")
+    return v
+
+
+def _token(value: object, what: str) -> int:
+    """A token id; the errors name `what`."""
+    return _int64(value, f"{what}: expected an integer token id", f"{what}: token id")
 
 
 def _seq_id(value: object) -> int:
-    try:
-        s = operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise TypeError(f"sequence id: expected an integer, got {type(value).__name__}") from None
-    if s < 0 or s > I64_MAX:
-        raise ValueError(f"sequence id {s} outside [0, 2**63)")
-    return s
+    return _int64(value, "sequence id: expected an integer", "sequence id")
 
 
 # --------------------------------------------------------------------------------------------
