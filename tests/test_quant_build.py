@@ -343,7 +343,8 @@ def test_gate_sizes_its_evaluation_and_records_the_change_with_its_interval(smal
 
 def test_symmetric_int4_builds_in_both_forms_with_the_same_logits(small: tuple[Path, Path]) -> None:
     """quantize_rtn symmetric: true -> signed int4 DequantizeLinear without zero point (int4_format: qdq,
-    the TensorRT form) and MatMulNBits with zero point 8; one set of weights, the same logits."""
+    the TensorRT form) and MatMulNBits without zero points (8, its default); one set of weights, the same
+    logits."""
     from test_torch_fp8 import _batch
 
     from runtime.engine import LLMEngine
@@ -355,13 +356,18 @@ def test_symmetric_int4_builds_in_both_forms_with_the_same_logits(small: tuple[P
                                "  - name: capture\n  - name: quantize_rtn\n    options:\n      group_size: 32\n"
                                "      symmetric: true\n  - name: lower_onnx\n  - name: lower_quant\n    options:\n"
                                f"      int4_format: {fmt}\n      accuracy_level: 0\n"  # float compute: same logits
-                               "  - name: package\n")
+                               + ("  - name: fuse\n" if fmt == "matmulnbits" else "")  # q|k|v, gate|up concatenated
+                               + "  - name: package\n")
         built[fmt] = build(recipe, progress=False)
     assert _pass_stats(built["qdq"], "quantize_rtn")["symmetric"] is True
     model = _graph(built["qdq"])
     types = {t.name: t.data_type for t in model.graph.initializer}
     dqs = [n for n in model.graph.node if n.op_type == "DequantizeLinear"]
     assert len(dqs) == 14 and all(len(n.input) == 2 and types[n.input[0]] == onnx.TensorProto.INT4 for n in dqs)
+    nbits = [n for n in onnx.load(str(built["matmulnbits"] / "model.onnx"), load_external_data=False).graph.node
+             if n.op_type == "MatMulNBits"]
+    assert nbits and all(len(n.input) == 3 for n in nbits)  # A, B, scales: no zero points
+    assert len(nbits) < 14  # fused: q|k|v and gate|up each one node
     fb = _batch()
     np.testing.assert_allclose(LLMEngine(built["qdq"]).backend.forward(fb),
                                LLMEngine(built["matmulnbits"]).backend.forward(fb), rtol=1e-4, atol=1e-4)

@@ -343,8 +343,12 @@ class DqGemmToMatMulNBits:
         b, s, z = pack_matmulnbits(q)
         base = dq.input[0].removesuffix("_quantized")
         ins = [g.add_init(_tensor(b, g.unique(f"{base}_nbits"))),
-               g.add_init(_tensor(s.astype(self.float_type), g.unique(f"{base}_nbits_scales"))),
-               g.add_init(_tensor(z, g.unique(f"{base}_nbits_zero_points")))]
+               g.add_init(_tensor(s.astype(self.float_type), g.unique(f"{base}_nbits_scales")))]
+        # symmetric INT4 (every zero point 8) leaves the zero points out: 8 is MatMulNBits' default, and MLAS
+        # then runs its kernels without zero points: llama-110m's projections at M = 1, 2 threads (AVX-512
+        # VNNI, accuracy_level 4), 4-6% faster per node
+        if not q.symmetric:
+            ins.append(g.add_init(_tensor(z, g.unique(f"{base}_nbits_zero_points"))))
         fired = 0
         for u in g.consumers(dq.output[0]):
             node = helper.make_node("MatMulNBits", [u.input[0], *ins], list(u.output), name=g.unique(f"{u.name}_nbits"),
