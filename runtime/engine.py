@@ -109,7 +109,8 @@ class _Request:
     generator: RNG
     metrics: RequestMetrics
     output_ids: list[int] = field(default_factory=list)
-    text: str = ""
+    text: str = ""  # of output_ids (a multi-byte character's incomplete tail held back until it finishes)
+    detok: Any = None  # the tokenizer's TextStream over output_ids
     emitted: int = 0  # characters of `text` already handed out
     emitted_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
@@ -554,12 +555,15 @@ class LLMEngine:
             r.output_ids.append(tok)
             if lp is not None:
                 r.output_logprobs.append(lp)
-            r.text = self.tokenizer.decode(r.output_ids)
+            if r.detok is None:
+                r.detok = self.tokenizer.stream()
+            r.text += r.detok.step(tok)
             if p.stop:
                 hit = _find_stop(r.text, p.stop, r.emitted)
                 if hit is not None:
                     r.text = r.text[:hit]
                     r.status = RequestStatus.FINISHED_STOPPED
+                    r.detok = None  # the text ends at the stop string
             if not r.status.finished:
                 if grammar_done:
                     r.status = RequestStatus.FINISHED_STOPPED
@@ -568,6 +572,9 @@ class LLMEngine:
                 elif len(r.prompt_ids) + len(r.output_ids) >= self.scheduler_config.max_model_len:
                     r.status = RequestStatus.FINISHED_LENGTH
         if r.status.finished:
+            if r.detok is not None:  # an incomplete character at the end reads as decode() shows it
+                r.text = self.tokenizer.decode(r.output_ids)
+                r.detok = None
             r.metrics.finished = now
             self.scheduler.finish(r.seq_id)
             self._requests.pop(r.request_id, None)

