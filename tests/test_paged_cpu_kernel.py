@@ -154,6 +154,21 @@ def test_long_prefill_and_large_decode_batch_through_the_thread_pool(monkeypatch
     check_step(feeds, 12, 4, 64, 16, -1, 0.125, threads=2)
 
 
+@pytest.mark.usefixtures("cpu_path")
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+@pytest.mark.parametrize("head_dim", [36, 64])
+def test_prefill_tiles_of_every_pass_shape(group: int, head_dim: int) -> None:
+    """Prefill tiles (16 rows or more: the rows in the vector lanes) whose passes fill one, two and three
+    row registers, and key chunks cut by the causal diagonal, a sliding window and the past/new boundary:
+    sequences of 6 to 40 new tokens after 0 or 37 past, every window kind. head_dim 36 is not a whole
+    number of value tiles (4 or 8 dimensions), so the per-dimension tail runs too."""
+    rng = np.random.default_rng(group * 100 + head_dim)
+    pasts, news = [0, 37, 0, 37, 0, 37], [6, 11, 17, 23, 33, 40]
+    for window in (-1, 5, 20):
+        feeds = make_step(rng, pasts, news, 16, 2, head_dim, 2 * group)
+        check_step(feeds, 2 * group, 2, head_dim, 16, window, head_dim ** -0.5, threads=1)
+
+
 def refused(feeds: dict[str, np.ndarray], match: str, window: int = -1) -> None:
     kc0, vc0 = feeds["kc"].copy(), feeds["vc"].copy()
     with pytest.raises(Exception, match=match):

@@ -29,7 +29,8 @@ typedef int8_t vi8 __attribute__((vector_size(VL)));
 
 static inline vf vload(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
 static inline void vstore(float *p, vf v) { memcpy(p, &v, sizeof v); }
-static inline vf vsplat(float x) { return (vf){0} + x; }
+/* x in every lane (x - 0 is x for every x, -0 included, so the subtraction folds away; x + 0 would not) */
+static inline vf vsplat(float x) { return x - (vf){0}; }
 static inline vf vselect(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
 static inline vf vmax(vf a, vf b) { return vselect(a > b, a, b); }
 static inline vf vadd(vf a, vf b) { return a + b; }
@@ -64,7 +65,10 @@ static inline vf vadd(vf a, vf b) { return a + b; }
     TREE_LEVEL(a, 1, (0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30),                             \
                (1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31))
 #define UR_BLOCKS 4 /* update_rows: vectors of the head dimension per pass (4 rows x 4 = 16 accumulators) */
-#define LANE_DBLK 8 /* attend_lanes: head-dimension entries per value pass */
+#define LANE_RG 3   /* attend_lanes: groups of VL query rows per pass (RG x KB and RG x DBLK tiles) */
+#define LANE_KB 8   /* attend_lanes: keys per score tile (3 x 8 = 24 accumulators of 32 zmm registers) */
+#define LANE_DBLK 8 /* attend_lanes: head-dimension entries per value tile (3 x 8 = 24 accumulators) */
+#define LANE_CK 16  /* attend_lanes: keys per chunk (one online-softmax update), a multiple of VL */
 #define BF_NPAN 2   /* MatMulBf16 tiles: panels (16 columns each) per tile */
 #define BF_MR 8     /* MatMulBf16 tiles: rows per register tile (8 x 2 accumulators) */
 #define BF_UNROLL 2 /* MatMulBf16 single-row tile: K pairs per step (independent accumulators) */
@@ -80,7 +84,10 @@ static inline vf vadd(vf a, vf b) { return a + b; }
     TREE_LEVEL(a, 2, (0, 1, 8, 9, 4, 5, 12, 13), (2, 3, 10, 11, 6, 7, 14, 15));                 \
     TREE_LEVEL(a, 1, (0, 8, 2, 10, 4, 12, 6, 14), (1, 9, 3, 11, 5, 13, 7, 15))
 #define UR_BLOCKS 2 /* 4 rows x 2 = 8 accumulators + 2 value vectors of 16 ymm registers */
+#define LANE_RG 3   /* 3 x 4 = 12 accumulators + 3 query vectors + a broadcast of 16 ymm registers */
+#define LANE_KB 4
 #define LANE_DBLK 4
+#define LANE_CK 16
 #define BF_NPAN 1   /* one panel = 2 vectors per row */
 #define BF_MR 4     /* 4 rows x 2 = 8 accumulators, 4 widened weight vectors, 2 broadcasts */
 #define BF_UNROLL 2
@@ -94,7 +101,10 @@ static inline vf vadd(vf a, vf b) { return a + b; }
     TREE_LEVEL(a, 2, (0, 1, 4, 5), (2, 3, 6, 7));                       \
     TREE_LEVEL(a, 1, (0, 4, 2, 6), (1, 5, 3, 7))
 #define UR_BLOCKS 2
+#define LANE_RG 2
+#define LANE_KB 4
 #define LANE_DBLK 4
+#define LANE_CK 8
 #define BF_NPAN 1   /* one panel = 4 vectors per row */
 #define BF_MR 2
 #define BF_UNROLL 1
@@ -249,6 +259,7 @@ static inline void chunk_rows(const Job *job, int64_t seq, int64_t kv_head, int6
 static inline void chunk_rows_i8(const Job *job, int64_t seq, int64_t kv_head, int64_t j0, int64_t nk,
                                  const int8_t **krow, const int8_t **vrow) {
     int64_t rows[VL];
+    rows[0] = 0; /* nk >= 1: pool_rows sets it; said so for the compiler */
     pool_rows(job, seq, kv_head, j0, nk, rows);
     for (int64_t jj = 0; jj < VL; jj++) {
         krow[jj] = job->kc8 + rows[jj < nk ? jj : 0];
@@ -275,85 +286,157 @@ static inline void prefetch_rows(const Job *job, int64_t seq, int64_t kv_head, i
         }
 }
 
-/* Many query rows (prefill tiles): VL rows at a time in the vector lanes. Q is transposed once per group
- * (Qt [D][VL]), so a key chunk's scores are s[jj] = sum_d Qt[d] * k_jj[d] (a broadcast key element per
- * multiply-add, no transposition of keys), the softmax runs per lane with no horizontal reductions, and
- * the weighted values accumulate into Ot [D][VL] (a broadcast value element per multiply-add). Rows are
- * those of the item's scratch Q [R][Dp] (scaled, rotated); the result goes to out. */
-static inline __attribute__((always_inline)) void attend_lanes(const Job *job, const Item it, const float *Q,
-                                                               int64_t Dp, int64_t R, float *scratch) {
+/* Many query rows (prefill tiles): the rows in the vector lanes, RG groups of VL rows per pass. Q is
+ * transposed once per pass (Qt [D][RG][VL]), so a key chunk's scores are s[g][jj] = sum_d Qt[d][g] *
+ * k_jj[d]: each broadcast key element feeds RG multiply-adds, in register tiles of RG x LANE_KB
+ * accumulators (independent chains, enough to keep both FMA pipes busy). The softmax runs per lane with
+ * no horizontal reductions, and the weighted values accumulate into Ot [D][RG][VL] in tiles of RG x
+ * LANE_DBLK (a broadcast value element per RG multiply-adds). Rows g0 .. g0 + RG * VL - 1 of the item's
+ * scratch Q [R][Dp] (scaled, rotated; rows past R are padding, their results dropped); the result goes
+ * to out. */
+static inline __attribute__((always_inline)) void lanes_pass(const Job *job, const Item it, const float *Q,
+                                                             int64_t Dp, int64_t R, int64_t g0, const int RG,
+                                                             float *scratch) {
     const int64_t D = job->head_dim, G = job->group;
     const int64_t H = job->num_heads, past = job->past[it.seq], row0 = job->cu[it.seq];
     const int64_t window = job->window;
-    float *Qt = scratch, *Ot = Qt + D * VL, *kbuf = Ot + D * VL, *vbuf = kbuf + D * VL;
-    const float *krow[VL], *vrow[VL];
-    for (int64_t g0 = 0; g0 < R; g0 += VL) {
-        const int64_t nr = R - g0 < VL ? R - g0 : VL;
-        for (int64_t d = 0; d < D; d++)
-            for (int64_t r = 0; r < VL; r++) Qt[d * VL + r] = r < nr ? Q[(g0 + r) * Dp + d] : 0.0f;
-        memset(Ot, 0, sizeof(float) * (size_t)(D * VL));
-        /* each lane's position; padding lanes repeat the last row's (their results are dropped) */
+    float *Qt = scratch, *Ot = Qt + D * LANE_RG * VL, *kbuf = Ot + D * LANE_RG * VL, *vbuf = kbuf + D * LANE_CK;
+    const float *krow[LANE_CK], *vrow[LANE_CK];
+    const int64_t nr = R - g0 < RG * VL ? R - g0 : RG * VL; /* real rows of this pass */
+    for (int64_t d = 0; d < D; d++)
+        for (int64_t r = 0; r < RG * VL; r++) Qt[d * RG * VL + r] = r < nr ? Q[(g0 + r) * Dp + d] : 0.0f;
+    memset(Ot, 0, sizeof(float) * (size_t)(D * RG * VL));
+    /* each lane's position; padding lanes repeat the last row's (their results are dropped) */
+    vi prow[LANE_RG], lo_row[LANE_RG];
+    int64_t gmin[LANE_RG], gmax[LANE_RG];
+    for (int g = 0; g < RG; g++) {
         int32_t pos_arr[VL];
-        for (int64_t r = 0; r < VL; r++) pos_arr[r] = (int32_t)(past + it.q0 + (g0 + (r < nr ? r : nr - 1)) / G);
-        vi prow;
-        memcpy(&prow, pos_arr, sizeof prow);
-        const int64_t p_min = pos_arr[0], p_max = pos_arr[nr - 1];
-        const vi lo_row = window > 0 ? prow - (int32_t)(window - 1) : (vi){0};
-        int64_t k_begin = window > 0 ? p_min - window + 1 : 0;
-        if (k_begin < 0) k_begin = 0;
-        vf m = vsplat(-INFINITY), l = {0};
-        for (int64_t j0 = k_begin; j0 <= p_max; j0 += VL) {
-            const int64_t nk = (p_max - j0 + 1) < VL ? (p_max - j0 + 1) : VL;
-            chunk_rows(job, it.seq, it.kv_head, j0, nk, krow, vrow, kbuf, vbuf);
-            if (j0 + VL <= p_max) prefetch_rows(job, it.seq, it.kv_head, j0 + VL, PF_NEXT(p_max - j0 - VL + 1));
-            vf sc[VL];
-            for (int64_t jj = 0; jj < VL; jj++) sc[jj] = (vf){0};
+        for (int64_t r = 0; r < VL; r++) {
+            const int64_t rr = g * VL + r < nr ? g * VL + r : nr - 1;
+            pos_arr[r] = (int32_t)(past + it.q0 + (g0 + rr) / G);
+        }
+        memcpy(&prow[g], pos_arr, sizeof prow[g]);
+        lo_row[g] = window > 0 ? prow[g] - (int32_t)(window - 1) : (vi){0};
+        gmin[g] = pos_arr[0];
+        gmax[g] = pos_arr[VL - 1];
+    }
+    const int64_t p_min = gmin[0], p_max = gmax[RG - 1];
+    int64_t k_begin = window > 0 ? p_min - window + 1 : 0;
+    if (k_begin < 0) k_begin = 0;
+    vf m[LANE_RG], l[LANE_RG];
+    for (int g = 0; g < RG; g++) {
+        m[g] = vsplat(-INFINITY);
+        l[g] = (vf){0};
+    }
+    vf sc[LANE_RG][LANE_CK];
+    for (int64_t j0 = k_begin; j0 <= p_max; j0 += LANE_CK) {
+        const int64_t nk = (p_max - j0 + 1) < LANE_CK ? (p_max - j0 + 1) : LANE_CK;
+        /* the chunk's rows, VL keys at a time (keys past nk repeat key j0's: scored, then masked) */
+        for (int64_t c = 0; c < LANE_CK; c += VL) {
+            if (c < nk)
+                chunk_rows(job, it.seq, it.kv_head, j0 + c, nk - c < VL ? nk - c : VL, krow + c, vrow + c,
+                           kbuf + c * D, vbuf + c * D);
+            else
+                for (int64_t jj = c; jj < c + VL; jj++) {
+                    krow[jj] = krow[0];
+                    vrow[jj] = vrow[0];
+                }
+        }
+        for (int64_t c = LANE_CK; c < 2 * LANE_CK && j0 + c <= p_max; c += VL)
+            prefetch_rows(job, it.seq, it.kv_head, j0 + c, PF_NEXT(p_max - j0 - c + 1));
+        for (int kb = 0; kb < LANE_CK; kb += LANE_KB) {
+            vf acc[LANE_RG][LANE_KB];
+            for (int g = 0; g < RG; g++)
+                for (int k = 0; k < LANE_KB; k++) acc[g][k] = (vf){0};
             for (int64_t d = 0; d < D; d++) {
-                const vf q = vload(Qt + d * VL);
-                for (int64_t jj = 0; jj < VL; jj++) sc[jj] += q * krow[jj][d];
+                vf q[LANE_RG];
+                for (int g = 0; g < RG; g++) q[g] = vload(Qt + (d * RG + g) * VL);
+                for (int k = 0; k < LANE_KB; k++) {
+                    const vf b = vsplat(krow[kb + k][d]);
+                    for (int g = 0; g < RG; g++) acc[g][k] += q[g] * b;
+                }
             }
+            for (int g = 0; g < RG; g++)
+                for (int k = 0; k < LANE_KB; k++) sc[g][kb + k] = acc[g][k];
+        }
+        vf alpha[LANE_RG];
+        for (int g = 0; g < RG; g++) {
             /* mask keys a lane may not see: past its position, before its window, beyond the chunk */
-            const int full = j0 + nk - 1 <= p_min && (window <= 0 || j0 >= p_max - window + 1) && nk == VL;
+            const int full = j0 + nk - 1 <= gmin[g] && (window <= 0 || j0 >= gmax[g] - window + 1) && nk == LANE_CK;
             vf mx = vsplat(-INFINITY);
-            for (int64_t jj = 0; jj < VL; jj++) {
+            for (int64_t jj = 0; jj < LANE_CK; jj++) {
                 if (!full) {
                     const int32_t j = (int32_t)(j0 + jj);
-                    const vi ok = (prow >= j) & (lo_row <= j) & (jj < nk ? (vi){0} - 1 : (vi){0});
-                    sc[jj] = vselect(ok, sc[jj], vsplat(-INFINITY));
+                    const vi ok = (prow[g] >= j) & (lo_row[g] <= j) & (jj < nk ? (vi){0} - 1 : (vi){0});
+                    sc[g][jj] = vselect(ok, sc[g][jj], vsplat(-INFINITY));
                 }
-                mx = vmax(mx, sc[jj]);
+                mx = vmax(mx, sc[g][jj]);
             }
-            const vf m_new = vmax(m, mx);
+            const vf m_new = vmax(m[g], mx);
             /* a lane that has seen no key yet keeps m = -inf: exponentiate against 0 there (all terms are 0) */
             const vf m_use = vselect(m_new == vsplat(-INFINITY), (vf){0}, m_new);
-            const vf alpha = vexp2_neg(m - m_use);
+            alpha[g] = vexp2_neg(m[g] - m_use);
             vf psum = {0};
-            for (int64_t jj = 0; jj < VL; jj++) {
-                sc[jj] = vexp2_neg(sc[jj] - m_use);
-                psum += sc[jj];
+            for (int64_t jj = 0; jj < LANE_CK; jj++) {
+                sc[g][jj] = vexp2_neg(sc[g][jj] - m_use);
+                psum += sc[g][jj];
             }
-            l = l * alpha + psum;
-            m = m_new;
-            int64_t d = 0;
-            for (; d + LANE_DBLK <= D; d += LANE_DBLK) {
-                vf a[LANE_DBLK];
-                for (int64_t i = 0; i < LANE_DBLK; i++) a[i] = vload(Ot + (d + i) * VL) * alpha;
-                for (int64_t jj = 0; jj < nk; jj++)
-                    for (int64_t i = 0; i < LANE_DBLK; i++) a[i] += sc[jj] * vrow[jj][d + i];
-                for (int64_t i = 0; i < LANE_DBLK; i++) vstore(Ot + (d + i) * VL, a[i]);
+            l[g] = l[g] * alpha[g] + psum;
+            m[g] = m_new;
+        }
+        int64_t d = 0;
+        for (; d + LANE_DBLK <= D; d += LANE_DBLK) {
+            vf a[LANE_RG][LANE_DBLK];
+            for (int g = 0; g < RG; g++)
+                for (int i = 0; i < LANE_DBLK; i++) a[g][i] = vload(Ot + ((d + i) * RG + g) * VL) * alpha[g];
+            for (int64_t jj = 0; jj < nk; jj++) {
+                vf p[LANE_RG];
+                for (int g = 0; g < RG; g++) p[g] = sc[g][jj];
+                for (int i = 0; i < LANE_DBLK; i++) {
+                    const vf b = vsplat(vrow[jj][d + i]);
+                    for (int g = 0; g < RG; g++) a[g][i] += p[g] * b;
+                }
             }
-            for (; d < D; d++) {
-                vf a = vload(Ot + d * VL) * alpha;
-                for (int64_t jj = 0; jj < nk; jj++) a += sc[jj] * vrow[jj][d];
-                vstore(Ot + d * VL, a);
+            for (int g = 0; g < RG; g++)
+                for (int i = 0; i < LANE_DBLK; i++) vstore(Ot + ((d + i) * RG + g) * VL, a[g][i]);
+        }
+        for (; d < D; d++) {
+            for (int g = 0; g < RG; g++) {
+                vf a = vload(Ot + (d * RG + g) * VL) * alpha[g];
+                for (int64_t jj = 0; jj < nk; jj++) a += sc[g][jj] * vrow[jj][d];
+                vstore(Ot + (d * RG + g) * VL, a);
             }
         }
+    }
+    for (int g = 0; g < RG; g++) {
         float inv[VL];
-        for (int64_t r = 0; r < VL; r++) inv[r] = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-        for (int64_t r = 0; r < nr; r++) {
-            const int64_t i = (g0 + r) / G, h = (g0 + r) % G;
+        for (int64_t r = 0; r < VL; r++) inv[r] = l[g][r] > 0.0f ? 1.0f / l[g][r] : 0.0f;
+        for (int64_t r = 0; r < VL && g * VL + r < nr; r++) {
+            const int64_t i = (g0 + g * VL + r) / G, h = (g0 + g * VL + r) % G;
             float *dst = job->out + (row0 + it.q0 + i) * H * D + (it.kv_head * G + h) * D;
-            for (int64_t dd = 0; dd < D; dd++) dst[dd] = Ot[dd * VL + r] * inv[r];
+            for (int64_t dd = 0; dd < D; dd++) dst[dd] = Ot[(dd * RG + g) * VL + r] * inv[r];
+        }
+    }
+}
+
+/* All of an item's rows in passes of LANE_RG groups of VL rows, the last pass as few groups as it needs */
+static inline void attend_lanes(const Job *job, const Item it, const float *Q, int64_t Dp, int64_t R,
+                                float *scratch) {
+    for (int64_t g0 = 0; g0 < R;) {
+        const int64_t left = R - g0;
+#if LANE_RG >= 3
+        if (left > 2 * VL) {
+            lanes_pass(job, it, Q, Dp, R, g0, 3, scratch);
+            g0 += 3 * VL;
+            continue;
+        }
+#endif
+        if (left > VL) {
+            lanes_pass(job, it, Q, Dp, R, g0, 2, scratch);
+            g0 += 2 * VL;
+        } else {
+            lanes_pass(job, it, Q, Dp, R, g0, 1, scratch);
+            g0 += VL;
         }
     }
 }
@@ -371,15 +454,16 @@ static void attention_item(void *arg, size_t index) {
     const int lanes = R >= LANES_MIN; /* many rows: attend_lanes */
 
     /* scratch: Q [Rp][Dp] (scaled; zero rows/columns pad to whole passes and vectors), acc [Rp][Dp],
-     * attend_lanes' Qt and Ot [D][VL], a chunk's dequantized K and V rows [VL][D] each (int8 pools),
+     * attend_lanes' Qt and Ot [D][LANE_RG][VL], a chunk's dequantized K and V rows [VL][D] each (int8 pools),
      * m [R], l [R] */
-    float *mem = (float *)malloc(sizeof(float) * (size_t)(2 * Rp * Dp + 4 * D * VL + 2 * R + 2 * VL));
+    const int64_t ls = (2 * LANE_RG * VL + 2 * LANE_CK) * D;
+    float *mem = (float *)malloc(sizeof(float) * (size_t)(2 * Rp * Dp + ls + 2 * R + 2 * VL));
     if (!mem) {
         job->failed = 1;
         return;
     }
-    float *Q = mem, *acc = Q + Rp * Dp, *lanes_scratch = acc + Rp * Dp, *m = lanes_scratch + 4 * D * VL, *l = m + R;
-    float *kbuf = lanes_scratch + 2 * D * VL, *vbuf = kbuf + D * VL;
+    float *Q = mem, *acc = Q + Rp * Dp, *lanes_scratch = acc + Rp * Dp, *m = lanes_scratch + ls, *l = m + R;
+    float *kbuf = lanes_scratch + 2 * LANE_RG * D * VL, *vbuf = kbuf + D * LANE_CK;
     memset(mem, 0, sizeof(float) * (size_t)(2 * Rp * Dp));
     for (int64_t i = 0; i < nq; i++) {
         const int64_t t = row0 + it.q0 + i;

@@ -24,11 +24,12 @@
  *
  * Work is split into items (sequence, KV head, query tile); a tile holds up to QT query tokens times
  * the G = H / KVH query heads that share the KV head, so every key row read from the pool serves all G
- * heads. Per item: keys in chunks of VL positions (a code path's float lanes), an online softmax in base 2
- * (running max and sum per query row, float32 accumulation), the weighted values accumulated per row.
- * Items of 16 rows or more (prefill tiles) put VL query rows in the vector lanes (attend_lanes: Q
- * transposed once, a broadcast key or value element per multiply-add, the softmax per lane); smaller ones
- * (decode) take a dot product per (row, key), vectorized over the head dimension. Items run on ONNX
+ * heads. Per item: keys in chunks, an online softmax in base 2 (running max and sum per query row, float32
+ * accumulation), the weighted values accumulated per row. Items of 16 rows or more (prefill tiles) put the
+ * query rows in the vector lanes, up to three registers of rows per pass (attend_lanes: Q transposed once
+ * per pass, each broadcast key or value element feeding one multiply-add per row register, in register
+ * tiles sized per code path; the softmax per lane); smaller ones (decode) take a dot product per (row, key)
+ * over chunks of VL keys (a code path's float lanes), vectorized over the head dimension. Items run on ONNX
  * Runtime's intra-op thread pool (KernelContext_ParallelFor), the session's own threads; a step too small
  * to pay for a fork/join runs inline.
  *
