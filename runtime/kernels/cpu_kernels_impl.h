@@ -293,14 +293,14 @@ static inline void prefetch_rows(const Job *job, int64_t seq, int64_t kv_head, i
  * no horizontal reductions, and the weighted values accumulate into Ot [D][RG][VL] in tiles of RG x
  * LANE_DBLK (a broadcast value element per RG multiply-adds). Rows g0 .. g0 + RG * VL - 1 of the item's
  * scratch Q [R][Dp] (scaled, rotated; rows past R are padding, their results dropped); the result goes
- * to out. */
+ * to out. kbuf/vbuf: the item's [LANE_CK][D] scratch for an int8 pool's dequantized rows (chunk_rows). */
 static inline __attribute__((always_inline)) void lanes_pass(const Job *job, const Item it, const float *Q,
                                                              int64_t Dp, int64_t R, int64_t g0, const int RG,
-                                                             float *scratch) {
+                                                             float *scratch, float *kbuf, float *vbuf) {
     const int64_t D = job->head_dim, G = job->group;
     const int64_t H = job->num_heads, past = job->past[it.seq], row0 = job->cu[it.seq];
     const int64_t window = job->window;
-    float *Qt = scratch, *Ot = Qt + D * LANE_RG * VL, *kbuf = Ot + D * LANE_RG * VL, *vbuf = kbuf + D * LANE_CK;
+    float *Qt = scratch, *Ot = Qt + D * LANE_RG * VL;
     const float *krow[LANE_CK], *vrow[LANE_CK];
     const int64_t nr = R - g0 < RG * VL ? R - g0 : RG * VL; /* real rows of this pass */
     for (int64_t d = 0; d < D; d++)
@@ -421,21 +421,21 @@ static inline __attribute__((always_inline)) void lanes_pass(const Job *job, con
 
 /* All of an item's rows in passes of LANE_RG groups of VL rows, the last pass as few groups as it needs */
 static inline void attend_lanes(const Job *job, const Item it, const float *Q, int64_t Dp, int64_t R,
-                                float *scratch) {
+                                float *scratch, float *kbuf, float *vbuf) {
     for (int64_t g0 = 0; g0 < R;) {
         const int64_t left = R - g0;
 #if LANE_RG >= 3
         if (left > 2 * VL) {
-            lanes_pass(job, it, Q, Dp, R, g0, 3, scratch);
+            lanes_pass(job, it, Q, Dp, R, g0, 3, scratch, kbuf, vbuf);
             g0 += 3 * VL;
             continue;
         }
 #endif
         if (left > VL) {
-            lanes_pass(job, it, Q, Dp, R, g0, 2, scratch);
+            lanes_pass(job, it, Q, Dp, R, g0, 2, scratch, kbuf, vbuf);
             g0 += 2 * VL;
         } else {
-            lanes_pass(job, it, Q, Dp, R, g0, 1, scratch);
+            lanes_pass(job, it, Q, Dp, R, g0, 1, scratch, kbuf, vbuf);
             g0 += VL;
         }
     }
@@ -454,7 +454,7 @@ static void attention_item(void *arg, size_t index) {
     const int lanes = R >= LANES_MIN; /* many rows: attend_lanes */
 
     /* scratch: Q [Rp][Dp] (scaled; zero rows/columns pad to whole passes and vectors), acc [Rp][Dp],
-     * attend_lanes' Qt and Ot [D][LANE_RG][VL], a chunk's dequantized K and V rows [VL][D] each (int8 pools),
+     * attend_lanes' Qt and Ot [D][LANE_RG][VL], a chunk's dequantized K and V rows [LANE_CK][D] each (int8 pools),
      * m [R], l [R] */
     const int64_t ls = (2 * LANE_RG * VL + 2 * LANE_CK) * D;
     float *mem = (float *)malloc(sizeof(float) * (size_t)(2 * Rp * Dp + ls + 2 * R + 2 * VL));
@@ -480,7 +480,7 @@ static void attention_item(void *arg, size_t index) {
         }
     }
     if (lanes) {
-        attend_lanes(job, it, Q, Dp, R, lanes_scratch);
+        attend_lanes(job, it, Q, Dp, R, lanes_scratch, kbuf, vbuf);
         free(mem);
         return;
     }
