@@ -161,7 +161,7 @@ def test_prefill_tiles_of_every_pass_shape(group: int, head_dim: int) -> None:
     """Prefill tiles (16 rows or more: the rows in the vector lanes) whose passes fill one, two and three
     row registers, and key chunks cut by the causal diagonal, a sliding window and the past/new boundary:
     sequences of 6 to 40 new tokens after 0 or 37 past, every window kind. head_dim 36 is not a whole
-    number of value tiles (4 or 8 dimensions), so the per-dimension tail runs too."""
+    number of the avx512 path's 8-dimension value tiles, so its per-dimension tail runs too."""
     rng = np.random.default_rng(group * 100 + head_dim)
     pasts, news = [0, 37, 0, 37, 0, 37], [6, 11, 17, 23, 33, 40]
     for window in (-1, 5, 20):
