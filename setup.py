@@ -40,6 +40,7 @@ setup(
             sources=["runtime/kernels/ort_ops.c", "runtime/kernels/op_paged_attention.c",
                      "runtime/kernels/op_rotary_paged_attention.c", "runtime/kernels/op_quantize_rows.c",
                      "runtime/kernels/op_matmul_bf16.c", "runtime/kernels/op_silu_mul.c",
+                     "runtime/kernels/op_skip_norm_quantize.c",
                      "runtime/kernels/isa_avx512.c", "runtime/kernels/isa_avx2.c", "runtime/kernels/isa_baseline.c"],
             depends=["runtime/kernels/ort_api.h", "runtime/kernels/ort_ops.h", "runtime/kernels/paged_attention.h",
                      "runtime/kernels/cpu_kernels.h", "runtime/kernels/cpu_kernels_impl.h",

@@ -6,7 +6,8 @@ the paths so load from other processes falls on all of them alike (median over r
 
 - ops, each in its own one-node ONNX Runtime session (threads: --threads): PagedAttention decode (8
   sequences x 1 token, 1024 past, 12 heads / 4 KV heads, head dim 64) and prefill (512 tokens, no past);
-  SiluMul and QuantizeRows on 1 and 512 rows; MatMulBf16 at M = 1 and 64 on a 2048 x 5632 weight (46 MB in
+  SiluMul, QuantizeRows and SkipNormQuantize (beside the Mul + SkipSimplifiedLayerNormalization + QuantizeRows
+  it replaces) on 1 and 512 rows; MatMulBf16 at M = 1 and 64 on a 2048 x 5632 weight (46 MB in
   float32: larger than the caches, like a real model's decode), beside ONNX Runtime's own float32 MatMul on
   the same weight (MLAS; the same for every path);
 - the demo model (models/pycode-llama-6m) built with recipes/demo.yaml (float32) and recipes/demo-bf16.yaml
@@ -70,7 +71,8 @@ def _model(nodes: list[Any], inputs: list[Any], outputs: list[Any], inits: list[
     from onnx import helper
 
     graph = helper.make_graph(nodes, "bench", inputs, outputs, inits or [])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("optimize", 1)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("optimize", 1),
+                                                   helper.make_opsetid("com.microsoft", 1)])
 
 
 def op_cases(rng: np.random.Generator) -> dict[str, tuple[Any, dict[str, np.ndarray], bool]]:
@@ -111,6 +113,21 @@ def op_cases(rng: np.random.Generator) -> dict[str, tuple[Any, dict[str, np.ndar
         out[f"QuantizeRows {rows} x 2048"] = (_model([node], [f("x", TensorProto.FLOAT, [rows, 2048])],
                                                      [f("q", TensorProto.UINT8, [rows, 2048]),
                                                       f("s", TensorProto.FLOAT, [rows, 1])]), {"x": x}, True)
+        feeds = {"x": x, "skip": rng.standard_normal((rows, 2048), dtype=np.float32),
+                 "gamma": rng.standard_normal(2048, dtype=np.float32),
+                 "s": np.abs(rng.standard_normal((rows, 1), dtype=np.float32)) / 127}
+        ins = [f("x", TensorProto.FLOAT, [rows, 2048]), f("skip", TensorProto.FLOAT, [rows, 2048]),
+               f("gamma", TensorProto.FLOAT, [2048]), f("s", TensorProto.FLOAT, [rows, 1])]
+        outs = [f("q", TensorProto.UINT8, [rows, 2048]), f("scale", TensorProto.FLOAT, [rows, 1]),
+                f("sum", TensorProto.FLOAT, [rows, 2048])]
+        node = helper.make_node("SkipNormQuantize", ["x", "skip", "gamma", "s"], ["q", "scale", "sum"],
+                                domain="optimize", epsilon=1e-5)
+        out[f"SkipNormQuantize {rows} x 2048"] = (_model([node], ins, outs), feeds, True)
+        three = [helper.make_node("Mul", ["x", "s"], ["xs"]),
+                 helper.make_node("SkipSimplifiedLayerNormalization", ["xs", "skip", "gamma"], ["n", "", "", "sum"],
+                                  domain="com.microsoft", epsilon=1e-5),
+                 helper.make_node("QuantizeRows", ["n"], ["q", "scale"], domain="optimize")]
+        out[f"Mul + SkipSimplifiedLayerNorm + QuantizeRows {rows} x 2048"] = (_model(three, ins, outs), feeds, True)
     k, n = 2048, 5632
     w = (rng.standard_normal((k, n), dtype=np.float32) * 0.02).astype(np.float32)
     packed = pack_bf16(w)

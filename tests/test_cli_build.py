@@ -144,7 +144,7 @@ def test_demo_build_as_in_the_readme_records_passes_kernels_and_timings(tmp_path
     assert stats["fuse"]["fusions"] == {"rms_norm": 13, "skip_rms_norm": 11, "qkv": 6, "gate_up": 6, "rotary": 12,
                                         "rotary_attention": 6 if sel["choice"] == "paged_cpu" else 0,
                                         "quick_gelu": 6, "swiglu": 6 if sel["choice"] == "paged_cpu" else 0,
-                                        "quantize_rows": 0, "row_scale": 0}
+                                        "quantize_rows": 0, "row_scale": 0, "skip_norm_quantize": 0}
     assert sel["reason"] == "autotune" and sel["attention_kind"]["heads"] == "GQA"
     assert {c["variant"]: c["valid"] for c in sel["candidates"]} == {"decomposed": True, "gqa": True,
                                                                       "paged_cpu": True, "paged_attention": False,

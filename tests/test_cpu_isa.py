@@ -25,7 +25,7 @@ from onnx import TensorProto, helper
 
 from runtime.kernels import paged_attention_cpu as pk
 
-OPS = ("PagedAttention", "RotaryPagedAttention", "QuantizeRows", "MatMulBf16", "SiluMul")
+OPS = ("PagedAttention", "RotaryPagedAttention", "QuantizeRows", "MatMulBf16", "SiluMul", "SkipNormQuantize")
 
 
 def test_the_default_path_is_the_widest_this_cpu_runs(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -143,7 +143,8 @@ def test_random_model_fusion_counts(random_pair: tuple[str, Path, Path, Path, di
     norms = 2 * layers + 1 + (2 * layers if variant == "qwen3-qknorm" else 0)  # + q_norm/k_norm per layer
     assert stats["fusions"] == {"rms_norm": norms, "skip_rms_norm": 2 * layers - 1, "qkv": layers,
                                 "gate_up": layers, "rotary": 2 * layers, "rotary_attention": 0,
-                                "quick_gelu": layers, "swiglu": 0, "quantize_rows": 0, "row_scale": 0}
+                                "quick_gelu": layers, "swiglu": 0, "quantize_rows": 0, "row_scale": 0,
+                                "skip_norm_quantize": 0}
     # rotary_attention and swiglu: graphs that use the C library (paged_cpu) only (test_paged_cpu_build)
     assert "not_fused" not in stats
     ops = stats["op_types"]
@@ -281,6 +282,51 @@ def test_int8_row_scale_folded_into_silu_mul_is_exact(tmp_path: Path) -> None:
     assert np.abs(got - unfused).max() < 1e-4  # SiluMul's exp against MLAS's logistic: float rounding only
 
 
+def test_int8_skip_norm_quantize_is_exact(tmp_path: Path) -> None:
+    """optimize.SkipNormQuantize replaces o_proj's and down_proj's row-scale Mul, the residual
+    SkipSimplifiedLayerNormalization and the next QuantizeRows with the same float operations: the logits
+    equal, bit for bit, those of the same graph with the three nodes put back (random norms, so gamma is
+    not all ones)."""
+    ckpt = make_random_checkpoint(tmp_path / "ckpt", "LlamaForCausalLM", seed=29)
+    fused = build_int8_pair(tmp_path, ckpt, ["rms_norm", "skip_rms_norm", "qkv", "gate_up", "quick_gelu", "swiglu",
+                                             "quantize_rows", "row_scale", "skip_norm_quantize"])
+    stats = fuse_stats(fused)
+    # per layer: after o_proj (the input norm of the MLP) and after down_proj (the next layer's input norm);
+    # the last layer's down_proj feeds the final norm (a plain Add + norm: it reads the logits rows only) and
+    # the float lm_head, which quantizes nothing
+    assert stats["fusions"]["skip_norm_quantize"] == 2 * 2 - 1
+    assert stats["op_types"]["optimize.SkipNormQuantize"] == 3
+    assert "com.microsoft.SkipSimplifiedLayerNormalization" not in stats["op_types"]
+    model = onnx.load(fused / "model.onnx", load_external_data=False)
+    fusedn = [n for n in model.graph.node if n.op_type == "SkipNormQuantize"]
+    assert all(len(n.input) == 4 for n in fusedn)
+    twin = tmp_path / "twin"
+    shutil.copytree(fused, twin)
+    h = onnx.helper
+    for n in fusedn:  # SkipNormQuantize(x, skip, gamma, s) -> Mul, SkipSimplifiedLayerNormalization, QuantizeRows
+        x, skip, gamma, s = n.input
+        codes, scale, total = n.output
+        eps = next(a.f for a in n.attribute if a.name == "epsilon")
+        at = list(model.graph.node).index(n)
+        model.graph.node.remove(n)
+        for k, node in enumerate([
+                h.make_node("Mul", [x, s], [f"{n.name}_xs"], name=f"{n.name}_mul"),
+                h.make_node("SkipSimplifiedLayerNormalization", [f"{n.name}_xs", skip, gamma],
+                            [f"{n.name}_norm", "", "", total], name=f"{n.name}_skip", domain="com.microsoft",
+                            epsilon=eps),
+                h.make_node("QuantizeRows", [f"{n.name}_norm"], [codes, scale], name=f"{n.name}_rows",
+                            domain="optimize")]):
+            model.graph.node.insert(at + k, node)
+    onnx.save(model, twin / "model.onnx")
+    ids = prompts_of([70], seed=1)[0]
+    cuts = [13, 40, 41, 70]
+    got = chunked_logits(LLMEngine(fused), ids, cuts)
+    base = chunked_logits(LLMEngine(twin, verify=False), ids, cuts)
+    np.testing.assert_array_equal(got, base)
+    prompts = prompts_of([5, 33, 64], seed=4)
+    assert greedy(fused, prompts) == greedy(tmp_path / "unfused", prompts, verify=False)
+
+
 # -- the demo model, through the build -------------------------------------------------------------
 
 
@@ -302,7 +348,7 @@ def test_demo_fusion_stats_in_manifest(demo_pair: tuple[Path, Path]) -> None:
     # input norm and the final norm, which reads the logits rows), q and k rotated in each layer.
     assert stats["fusions"] == {"rms_norm": 13, "skip_rms_norm": 11, "qkv": 6, "gate_up": 6, "rotary": 12,
                                 "rotary_attention": 0, "quick_gelu": 6, "swiglu": 0, "quantize_rows": 0,
-                                "row_scale": 0}
+                                "row_scale": 0, "skip_norm_quantize": 0}
     assert stats["rules"] == list(RULES) and stats["disabled"] == []
     assert stats["nodes_before"] > stats["nodes_after"]
     assert stats["op_types"]["SimplifiedLayerNormalization"] == 2
@@ -359,12 +405,13 @@ def test_fuse_options_in_recipe(tmp_path: Path) -> None:
     from compiler.recipe import RecipeError
 
     assert FuseOptions(disable=["rotary"]).enabled() == ["rms_norm", "skip_rms_norm", "qkv", "gate_up", "rotary_attention",
-                                                      "quick_gelu", "swiglu", "quantize_rows", "row_scale"]
+                                                      "quick_gelu", "swiglu", "quantize_rows", "row_scale",
+                                                      "skip_norm_quantize"]
     assert FuseOptions(rules=["qkv", "rotary"]).enabled() == ["qkv", "rotary"]
     ok = write_recipe(tmp_path, DEMO_MODEL, name="ok", passes=(
         "  - name: capture\n  - name: lower_onnx\n  - name: fuse\n    options: {disable: [rotary]}\n"
         "  - name: package\n"))
-    assert plan(ok).passes[2].config.enabled()[-1] == "row_scale"
+    assert plan(ok).passes[2].config.enabled()[-1] == "skip_norm_quantize"
     bad = write_recipe(tmp_path, DEMO_MODEL, name="bad", passes=(
         "  - name: capture\n  - name: lower_onnx\n  - name: fuse\n    options: {rules: [qkv, geglu]}\n"
         "  - name: package\n"))

@@ -583,3 +583,77 @@ def test_silu_mul_refuses_an_odd_width() -> None:
     sess = ort.InferenceSession(silu_mul_models()[0], so, providers=["CPUExecutionProvider"])
     with pytest.raises(Exception, match="must be even"):
         sess.run(None, {"x": np.zeros((2, 7), np.float32)})
+
+
+# ---- optimize.SkipNormQuantize: row-scale Mul + SkipSimplifiedLayerNormalization + QuantizeRows as one node --
+
+
+def skip_norm_quantize_models(scaled: bool, epsilon: float) -> tuple[bytes, bytes]:
+    """(the op, the nodes it replaces as compiler/fusion/skip_norm_quantize.py finds them)."""
+    f = helper.make_tensor_value_info
+    inputs = [f("x", TensorProto.FLOAT, ["T", "D"]), f("skip", TensorProto.FLOAT, ["T", "D"]),
+              f("gamma", TensorProto.FLOAT, ["D"])] + ([f("s", TensorProto.FLOAT, ["T", 1])] if scaled else [])
+    outputs = [f("q", TensorProto.UINT8, ["T", "D"]), f("scale", TensorProto.FLOAT, ["T", 1]),
+               f("sum", TensorProto.FLOAT, ["T", "D"])]
+    op = helper.make_node("SkipNormQuantize", [i.name for i in inputs], ["q", "scale", "sum"], domain=pk.DOMAIN,
+                          epsilon=epsilon)
+    nodes = ([helper.make_node("Mul", ["x", "s"], ["xs"])] if scaled else []) + [
+        helper.make_node("SkipSimplifiedLayerNormalization", ["xs" if scaled else "x", "skip", "gamma"],
+                         ["n", "", "", "sum"], domain="com.microsoft", epsilon=epsilon),
+        helper.make_node("QuantizeRows", ["n"], ["q", "scale"], domain=pk.DOMAIN)]
+    opsets = [helper.make_opsetid("", 21), helper.make_opsetid(pk.DOMAIN, 1), helper.make_opsetid("com.microsoft", 1)]
+    return (helper.make_model(helper.make_graph([op], "fused", inputs, outputs), opset_imports=opsets)
+            .SerializeToString(),
+            helper.make_model(helper.make_graph(nodes, "three", inputs, outputs), opset_imports=opsets)
+            .SerializeToString())
+
+
+@pytest.mark.usefixtures("cpu_path")
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rows=st.integers(0, 300), cols=st.sampled_from([1, 7, 16, 33, 768, 3000]), scaled=st.booleans(),
+       magnitude=st.sampled_from([1e-3, 1.0, 1e3]), epsilon=st.sampled_from([1e-6, 1e-5, 0.0]),
+       seed=st.integers(0, 2**31 - 1))
+def test_skip_norm_quantize_equals_the_three_nodes_it_replaces(rows: int, cols: int, scaled: bool, magnitude: float,
+                                                              epsilon: float, seed: int) -> None:
+    """Codes, scales and residual sums bit for bit against ONNX Runtime's Mul + SkipSimplifiedLayerNormalization
+    + QuantizeRows, with and without the row scale, on rows inline and on the thread pool (groups of four rows
+    and their remainders, whole and partial vectors), random gamma, all-zero rows, and every epsilon."""
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((rows, cols)) * magnitude).astype(np.float32)
+    skip = (rng.standard_normal((rows, cols)) * magnitude).astype(np.float32)
+    gamma = rng.standard_normal(cols).astype(np.float32)
+    s = (np.abs(rng.standard_normal((rows, 1))) / 127 + 1e-12).astype(np.float32)
+    if rows > 1:
+        x[1], skip[1] = 0.0, 0.0  # rms = sqrt(epsilon): with epsilon 0, 0 / 0 in both
+    feed = {"x": x, "skip": skip, "gamma": gamma} | ({"s": s} if scaled else {})
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 2
+    pk.register(so)
+    op, three = skip_norm_quantize_models(scaled, epsilon)
+    got = ort.InferenceSession(op, so, providers=["CPUExecutionProvider"]).run(None, feed)
+    want = ort.InferenceSession(three, so, providers=["CPUExecutionProvider"]).run(None, feed)
+    assert got[0].shape == (rows, cols) and got[1].shape == (rows, 1) and got[2].shape == (rows, cols)
+    for name, g, w in zip(("codes", "scale", "sum"), got, want, strict=True):
+        np.testing.assert_array_equal(g, w, err_msg=name)
+    if rows and cols > 1:  # and the arithmetic itself, in float64: the normalized row within float32 rounding
+        total = x.astype(np.float64) * (s if scaled else 1.0) + skip
+        rms = np.sqrt((total**2).mean(axis=1, keepdims=True) + epsilon)
+        normed = total / np.where(rms > 0, rms, 1.0) * gamma
+        amax = np.abs(normed).max(axis=1, keepdims=True)
+        live = (rms[:, 0] > 0) & (amax[:, 0] > 1e-6)
+        np.testing.assert_allclose(got[1][live], amax[live] / 127, rtol=1e-5)
+        dequant = (got[0].astype(np.float64) - 128) * got[1]
+        assert np.all(np.abs(dequant - normed)[live] <= got[1][live] * 0.5 + amax[live] * 1e-5)
+
+
+def test_skip_norm_quantize_refuses_mismatched_inputs() -> None:
+    so = ort.SessionOptions()
+    pk.register(so)
+    sess = ort.InferenceSession(skip_norm_quantize_models(True, 1e-5)[0], so, providers=["CPUExecutionProvider"])
+    x = np.zeros((3, 8), np.float32)
+    with pytest.raises(Exception, match="one value per row"):
+        sess.run(None, {"x": x, "skip": x, "gamma": np.ones(8, np.float32), "s": np.ones((2, 1), np.float32)})
+    with pytest.raises(Exception, match="skip must have x's shape"):
+        sess.run(None, {"x": x, "skip": x[:2], "gamma": np.ones(8, np.float32), "s": np.ones((3, 1), np.float32)})
+    with pytest.raises(Exception, match="gamma must be"):
+        sess.run(None, {"x": x, "skip": x, "gamma": np.ones(7, np.float32), "s": np.ones((3, 1), np.float32)})

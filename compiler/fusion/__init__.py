@@ -20,6 +20,8 @@ Rules, in the order they run (each can be turned off):
 |                 |   -> optimize.QuantizeRows (graphs that use the C library)  |                                |
 | `row_scale`     | per-token INT8 GEMM's row-scale Mul feeding SiluMul         | fusion/row_scale.py            |
 |                 |   -> SiluMul(x, s) (graphs that use the C library)          |                                |
+| `skip_norm_quantize` | row-scale Mul + SkipSimplifiedLayerNormalization + QuantizeRows | fusion/skip_norm_quantize.py |
+|                 |   -> optimize.SkipNormQuantize (graphs that use the C library) |                             |
 | `matmul_bf16`   | float MatMul / Gemm with a constant weight                  | fusion/matmul_bf16.py          |
 |                 |   -> optimize.MatMulBf16, bf16 weights (opt-in: the recipe's target.matmul: bfloat16; not in RULES) | |
 
@@ -36,7 +38,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import onnx
 
 RULES: tuple[str, ...] = ("rms_norm", "skip_rms_norm", "qkv", "gate_up", "rotary", "rotary_attention", "quick_gelu",
-                          "swiglu", "quantize_rows", "row_scale")
+                          "swiglu", "quantize_rows", "row_scale", "skip_norm_quantize")
 
 
 def fuse_model(model: onnx.ModelProto, rules: Any, rope_cache_rows: int, matmul_bf16: bool = False

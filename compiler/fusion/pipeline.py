@@ -30,6 +30,8 @@ IMPLEMENTATION = {
     "swiglu": "compiler/fusion/swiglu.py (optimize.SiluMul, runtime/kernels/op_silu_mul.c)",
     "quantize_rows": "compiler/fusion/quantize_rows.py (optimize.QuantizeRows, runtime/kernels/op_quantize_rows.c)",
     "row_scale": "compiler/fusion/row_scale.py (optimize.SiluMul's scale input, runtime/kernels/op_silu_mul.c)",
+    "skip_norm_quantize": "compiler/fusion/skip_norm_quantize.py (optimize.SkipNormQuantize, "
+                          "runtime/kernels/op_skip_norm_quantize.c)",
     "matmul_bf16": "compiler/fusion/matmul_bf16.py (optimize.MatMulBf16, runtime/kernels/op_matmul_bf16.c)",
 }
 # ONNX Runtime registers SimplifiedLayerNormalization in the default domain (opset 1): onnx's
@@ -86,6 +88,7 @@ def fuse_model(model: onnx.ModelProto, rules: Sequence[str], rope_cache_rows: in
     from compiler.fusion.quantize_rows import fuse_quantize_rows
     from compiler.fusion.rotary import fuse_rotary
     from compiler.fusion.row_scale import fuse_row_scale
+    from compiler.fusion.skip_norm_quantize import fuse_skip_norm_quantize
     from compiler.fusion.swiglu import fuse_swiglu
 
     for rule in ("qkv", "gate_up"):
@@ -104,6 +107,8 @@ def fuse_model(model: onnx.ModelProto, rules: Sequence[str], rope_cache_rows: in
         reports["quantize_rows"] = fuse_quantize_rows(g)
     if "row_scale" in enabled:
         reports["row_scale"] = fuse_row_scale(g)
+    if "skip_norm_quantize" in enabled:
+        reports["skip_norm_quantize"] = fuse_skip_norm_quantize(g)
     bf16_bytes: dict[str, int] = {}
     if matmul_bf16:
         from compiler.fusion.matmul_bf16 import fuse_matmul_bf16

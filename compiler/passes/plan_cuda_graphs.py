@@ -81,8 +81,9 @@ STATIC_OPS = {
     "MatMulNBits", "SkipSimplifiedLayerNormalization", "QuickGelu", "FusedMatMul", "GroupQueryAttention",
     "PagedAttention", "MatMulIntegerToFloat",
     # optimize (runtime/kernels/op_*.c): output [T, H*D] from the packed input's T; codes and
-    # scales shaped as the input; products [.., N] from the input's leading dims; SiluMul [.., I] from [.., 2I]
-    "RotaryPagedAttention", "QuantizeRows", "MatMulBf16", "SiluMul",
+    # scales shaped as the input; products [.., N] from the input's leading dims; SiluMul [.., I] from [.., 2I];
+    # SkipNormQuantize: codes, scales and sums shaped as its first input
+    "RotaryPagedAttention", "QuantizeRows", "MatMulBf16", "SiluMul", "SkipNormQuantize",
 }
 
 

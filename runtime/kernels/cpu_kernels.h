@@ -55,7 +55,7 @@ typedef struct {
     int failed; /* set by an item that could not allocate its scratch */
 } Job;
 
-/* ---- QuantizeRows, SiluMul: items of whole rows ---------------------------------------------------------- */
+/* ---- QuantizeRows, SiluMul, SkipNormQuantize: items of whole rows ---------------------------------------------------------- */
 
 typedef struct {
     const float *x;
@@ -70,6 +70,18 @@ typedef struct {
     float *y;
     int64_t I, rows_per_item, rows;
 } SmJob;
+
+/* SkipNormQuantize: sum = x * s + skip, then the RMS norm of sum times gamma, quantized per row as QuantizeRows */
+typedef struct {
+    const float *x;
+    const float *s; /* x's row scale, applied first (x * s in float32), or NULL */
+    const float *skip, *gamma;
+    uint8_t *codes;
+    float *scale, *sum;
+    float epsilon;
+    int64_t D, rows_per_item, rows;
+    int failed; /* set by an item that could not allocate its row scratch */
+} SnqJob;
 
 /* ---- MatMulBf16 ------------------------------------------------------------------------------------------- */
 
@@ -98,6 +110,7 @@ typedef struct {
     void (*attention_item)(void *job, size_t index);  /* Job */
     void (*quantize_rows_item)(void *job, size_t index);  /* QuantJob */
     void (*silu_mul_item)(void *job, size_t index);  /* SmJob */
+    void (*skip_norm_quantize_item)(void *job, size_t index);  /* SnqJob */
     void (*bf16_convert_rows)(void *job, size_t index);  /* BfJob: a -> ab */
     BfRowsFn bf16_rows;
     BfRowsFn bf16_rows_dp; /* AVX-512 BF16's vdpbf16ps (avx512 table only; NULL elsewhere) */

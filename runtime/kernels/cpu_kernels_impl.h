@@ -581,41 +581,96 @@ static inline void vstore_u8(uint8_t *dst, vi v) {
 
 /* ==== QuantizeRows ======================================================================================= */
 
+/* One row x[0:K] -> codes q[0:K] and its scale: amax(|x|) * (1/127), at least 1e-12 (QuantizeRows' arithmetic) */
+static inline float quantize_row_u8(const float *x, int64_t K, uint8_t *q) {
+    const float inv_qmax = 1.0f / 127.0f, tiny = 1e-12f;
+    vf m = {0};
+    int64_t k = 0;
+    for (; k + VL <= K; k += VL) {
+        const vf v = vload(x + k);
+        m = vmax(m, vselect(v < 0, -v, v));
+    }
+    float amax = hmax(m);
+    for (; k < K; k++) amax = fmaxf(amax, fabsf(x[k]));
+    const float sd = amax * inv_qmax;
+    const float s = sd > tiny ? sd : tiny;
+    /* QuantizeLinear(x / s, 1, 128): x / s is within [-127, 127] up to rounding, where adding and
+     * subtracting 1.5 * 2^23 rounds to the nearest integer, ties to even (the default rounding mode),
+     * as nearbyintf does; then + 128 and saturation to [0, 255] */
+    const vf sv = vsplat(s), magic = vsplat(12582912.0f);
+    for (k = 0; k + VL <= K; k += VL) {
+        vf v = ((vload(x + k) / sv + magic) - magic) + 128.0f;
+        v = vmax(v, (vf){0});
+        v = vselect(v > 255.0f, vsplat(255.0f), v);
+        vstore_u8(q + k, __builtin_convertvector(v, vi));
+    }
+    for (; k < K; k++) {
+        float v = nearbyintf(x[k] / s) + 128.0f;
+        v = v < 0.0f ? 0.0f : v > 255.0f ? 255.0f : v;
+        q[k] = (uint8_t)v;
+    }
+    return s;
+}
+
 static void quantize_rows_item(void *arg, size_t index) {
     const QuantJob *job = (const QuantJob *)arg;
-    const float inv_qmax = 1.0f / 127.0f, tiny = 1e-12f;
     const int64_t r0 = (int64_t)index * job->rows_per_item;
     const int64_t r1 = r0 + job->rows_per_item < job->rows ? r0 + job->rows_per_item : job->rows;
-    for (int64_t r = r0; r < r1; r++) {
-        const float *x = job->x + r * job->K;
-        uint8_t *q = job->codes + r * job->K;
-        vf m = {0};
-        int64_t k = 0;
-        for (; k + VL <= job->K; k += VL) {
-            const vf v = vload(x + k);
-            m = vmax(m, vselect(v < 0, -v, v));
+    for (int64_t r = r0; r < r1; r++) job->scale[r] = quantize_row_u8(job->x + r * job->K, job->K, job->codes + r * job->K);
+}
+
+/* ==== SkipNormQuantize =================================================================================== */
+
+/* ONNX Runtime's SkipSimplifiedLayerNormalization (CPU, float32) followed by QuantizeRows, row by row, with the
+ * same roundings: sum = x * s + skip (the product rounded, never an FMA: this function is compiled with
+ * fp-contract off), ms = the squares of sum added one element after another in float32 (four rows' chains
+ * interleaved, each in its own order), rms = sqrtf(ms / D + epsilon), y = sum / rms * gamma into a row
+ * scratch, then the row's codes and scale. */
+__attribute__((optimize("fp-contract=off"))) static void skip_norm_quantize_item(void *arg, size_t index) {
+    SnqJob *job = (SnqJob *)arg;
+    const int64_t D = job->D, r0 = (int64_t)index * job->rows_per_item;
+    const int64_t r1 = r0 + job->rows_per_item < job->rows ? r0 + job->rows_per_item : job->rows;
+    float *y = (float *)malloc(sizeof(float) * (size_t)D);
+    if (!y) {
+        job->failed = 1;
+        return;
+    }
+    for (int64_t r = r0; r < r1; r += 4) {
+        const int64_t n = r1 - r < 4 ? r1 - r : 4;
+        for (int64_t i = 0; i < n; i++) {
+            const float *x = job->x + (r + i) * D, *sk = job->skip + (r + i) * D;
+            float *v = job->sum + (r + i) * D;
+            const float s = job->s ? job->s[r + i] : 1.0f;
+            int64_t d = 0;
+            if (job->s) {
+                const vf sv = vsplat(s);
+                for (; d + VL <= D; d += VL) vstore(v + d, vload(x + d) * sv + vload(sk + d));
+                for (; d < D; d++) v[d] = x[d] * s + sk[d];
+            } else {
+                for (; d + VL <= D; d += VL) vstore(v + d, vload(x + d) + vload(sk + d));
+                for (; d < D; d++) v[d] = x[d] + sk[d];
+            }
         }
-        float amax = hmax(m);
-        for (; k < job->K; k++) amax = fmaxf(amax, fabsf(x[k]));
-        const float sd = amax * inv_qmax;
-        const float s = sd > tiny ? sd : tiny;
-        job->scale[r] = s;
-        /* QuantizeLinear(x / s, 1, 128): x / s is within [-127, 127] up to rounding, where adding and
-         * subtracting 1.5 * 2^23 rounds to the nearest integer, ties to even (the default rounding mode),
-         * as nearbyintf does; then + 128 and saturation to [0, 255] */
-        const vf sv = vsplat(s), magic = vsplat(12582912.0f);
-        for (k = 0; k + VL <= job->K; k += VL) {
-            vf v = ((vload(x + k) / sv + magic) - magic) + 128.0f;
-            v = vmax(v, (vf){0});
-            v = vselect(v > 255.0f, vsplat(255.0f), v);
-            vstore_u8(q + k, __builtin_convertvector(v, vi));
+        const float *v0 = job->sum + r * D;
+        const float *v1 = n > 1 ? v0 + D : v0, *v2 = n > 2 ? v0 + 2 * D : v0, *v3 = n > 3 ? v0 + 3 * D : v0;
+        float ms[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int64_t d = 0; d < D; d++) {
+            ms[0] += v0[d] * v0[d];
+            ms[1] += v1[d] * v1[d];
+            ms[2] += v2[d] * v2[d];
+            ms[3] += v3[d] * v3[d];
         }
-        for (; k < job->K; k++) {
-            float v = nearbyintf(x[k] / s) + 128.0f;
-            v = v < 0.0f ? 0.0f : v > 255.0f ? 255.0f : v;
-            q[k] = (uint8_t)v;
+        for (int64_t i = 0; i < n; i++) {
+            const float rms = sqrtf(ms[i] / (float)D + job->epsilon);
+            const float *v = v0 + i * D;
+            const vf rv = vsplat(rms);
+            int64_t d = 0;
+            for (; d + VL <= D; d += VL) vstore(y + d, vload(v + d) / rv * vload(job->gamma + d));
+            for (; d < D; d++) y[d] = v[d] / rms * job->gamma[d];
+            job->scale[r + i] = quantize_row_u8(y, D, job->codes + (r + i) * D);
         }
     }
+    free(y);
 }
 
 /* ==== SiluMul ============================================================================================ */

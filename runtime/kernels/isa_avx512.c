@@ -58,5 +58,5 @@ static void bf16_rows_dp(const void *a, int64_t lda, int64_t nr, const uint32_t 
 }
 
 const CpuKernels optimize_kernels_avx512 = {"avx512", VL, attention_item, quantize_rows_item, silu_mul_item,
-                                            bf16_convert_rows, bf16_rows, bf16_rows_dp};
+    skip_norm_quantize_item, bf16_convert_rows, bf16_rows, bf16_rows_dp};
 #endif

@@ -6,4 +6,4 @@
 #include "cpu_kernels_impl.h"
 
 const CpuKernels optimize_kernels_baseline = {"baseline", VL, attention_item, quantize_rows_item, silu_mul_item,
-                                              bf16_convert_rows, bf16_rows, NULL};
+    skip_norm_quantize_item, bf16_convert_rows, bf16_rows, NULL};

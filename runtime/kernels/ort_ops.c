@@ -157,6 +157,7 @@ static void release_pairs(int *in, int *out) { (void)in; (void)out; }
 static const RegisteredOp g_ops[] = {
     REGISTERED(optimize_op_paged_attention), REGISTERED(optimize_op_rotary_paged_attention),
     REGISTERED(optimize_op_quantize_rows), REGISTERED(optimize_op_matmul_bf16), REGISTERED(optimize_op_silu_mul),
+    REGISTERED(optimize_op_skip_norm_quantize),
 };
 #define N_OPS (sizeof g_ops / sizeof g_ops[0])
 

@@ -48,6 +48,7 @@ extern const OpDesc optimize_op_rotary_paged_attention HIDDEN;
 extern const OpDesc optimize_op_quantize_rows HIDDEN;
 extern const OpDesc optimize_op_matmul_bf16 HIDDEN;
 extern const OpDesc optimize_op_silu_mul HIDDEN;
+extern const OpDesc optimize_op_skip_norm_quantize HIDDEN;
 
 /* ONNX Runtime's function table, set by the first RegisterCustomOps (through ORT_FN: ort_api.h). */
 extern const OrtApi *g_api HIDDEN;

@@ -4,7 +4,7 @@ The library (built by the package build as `runtime/kernels/_paged_attention_cpu
 from `ort_ops.c` and one `op_*.c` file per op) implements `optimize.PagedAttention`, the `paged_cpu`
 attention variant's node (`op_paged_attention.c`): it writes the step's K/V into the pools in place and
 attends per sequence through the block table; its other ops (RotaryPagedAttention, QuantizeRows, MatMulBf16,
-SiluMul) come with it. A graph that has such a node (domain `optimize`) loads only in a session whose options
+SiluMul, SkipNormQuantize) come with it. A graph that has such a node (domain `optimize`) loads only in a session whose options
 registered the library: `register(so)` does that, after checking that the installed ONNX Runtime is new
 enough for the C API version the library declares (the library checks the same again when ONNX Runtime
 calls it).

@@ -1,0 +1,105 @@
+/* The custom op optimize.SkipNormQuantize: residual add, RMS norm and per-token INT8 quantization as one node.
+ *
+ * A W8A8 decoder layer (quantize_int8 with per-token activations) ends its attention and its MLP as
+ *
+ *   y = Mul(MatMulIntegerToFloat(..), s)                      the projection times its input's row scale
+ *   n, sum = SkipSimplifiedLayerNormalization(y, skip, gamma)  (com.microsoft; sum: the residual stream)
+ *   codes, scale = QuantizeRows(n)                             the next projection's input
+ *
+ * compiler/fusion/skip_norm_quantize.py writes SkipNormQuantize(x, skip, gamma[, s]) -> (codes, scale, sum)
+ * instead: one pass over x and skip writes sum, the normalized row lives in a row of scratch, and neither the
+ * scaled projection nor the normalized tensor is written to memory. The arithmetic is that of the three nodes,
+ * operation for operation: sum = x * s + skip (the product rounded first), the mean square added in float32
+ * element after element as ONNX Runtime's CPU SkipSimplifiedLayerNormalization adds it, rms = sqrt(ms / D +
+ * epsilon), n = sum / rms * gamma, then QuantizeRows' codes and scale, so all three outputs are bit-identical
+ * to the nodes it replaces (tests/test_paged_cpu_kernel.py). Rows of a decode step run inline; larger inputs
+ * split into items of at least 64K elements on ONNX Runtime's pool (the work item, per code path:
+ * skip_norm_quantize_item in cpu_kernels_impl.h).
+ */
+#include <math.h>
+
+#include "ort_ops.h"
+
+typedef struct {
+    OpKernel base;
+    float epsilon;
+} SnqKernel;
+
+static OrtStatus *init(OpKernel *kernel, const OrtKernelInfo *info) {
+    SnqKernel *k = (SnqKernel *)kernel;
+    const char *opname = kernel->desc->name;
+    char msg[256];
+    OrtStatus *st = ORT_FN(g_api, KernelInfoGetAttribute_float, OrtKernelInfoGetAttributeFloatFn)(info, "epsilon",
+                                                                                                  &k->epsilon);
+    if (st) return st;
+    if (!(k->epsilon >= 0.0f) || !isfinite(k->epsilon)) FAIL("epsilon must be finite and >= 0, got %g", k->epsilon);
+    return NULL;
+}
+
+static OrtStatus *compute(const OpKernel *kern, OrtKernelContext *ctx) {
+    const char *opname = kern->desc->name;
+    char msg[256];
+    Tensor x, skip, gamma;
+    OrtStatus *st = ort_read_rows(ctx, opname, &x);
+    if (st) return st;
+    if ((st = ort_read_input(ctx, 1, &skip)) || (st = ort_read_input(ctx, 2, &gamma))) return st;
+    const int64_t D = x.dims[x.rank - 1];
+    int64_t rows = 1;
+    for (size_t i = 0; i + 1 < x.rank; i++) rows *= x.dims[i];
+    if (skip.rank != x.rank || memcmp(skip.dims, x.dims, sizeof(int64_t) * x.rank) != 0)
+        FAIL("skip must have x's shape");
+    if (gamma.rank != 1 || gamma.dims[0] != D) FAIL("gamma must be [%lld], x's last dimension", (long long)D);
+    const float *row_scale = NULL;
+    size_t count = 0;
+    if ((st = ORT_FN(g_api, KernelContext_GetInputCount, OrtKernelContextGetInputCountFn)(ctx, &count))) return st;
+    if (count > 3) {
+        Tensor s;
+        if ((st = ort_read_input(ctx, 3, &s))) return st;
+        int64_t n = 1;
+        for (size_t i = 0; i < s.rank; i++) n *= s.dims[i];
+        if (s.rank != x.rank || s.dims[s.rank - 1] != 1 || n != rows)
+            FAIL("scale must hold one value per row of x ([.., 1], %lld rows), got %lld values", (long long)rows,
+                 (long long)n);
+        row_scale = (const float *)s.data;
+    }
+    int64_t scale_dims[4];
+    memcpy(scale_dims, x.dims, sizeof scale_dims);
+    scale_dims[x.rank - 1] = 1;
+    OrtValue *codes_v = NULL, *scale_v = NULL, *sum_v = NULL;
+    if ((st = ORT_FN(g_api, KernelContext_GetOutput, OrtKernelContextGetOutputFn)(ctx, 0, x.dims, x.rank, &codes_v)) ||
+        (st = ORT_FN(g_api, KernelContext_GetOutput, OrtKernelContextGetOutputFn)(ctx, 1, scale_dims, x.rank,
+                                                                                   &scale_v)) ||
+        (st = ORT_FN(g_api, KernelContext_GetOutput, OrtKernelContextGetOutputFn)(ctx, 2, x.dims, x.rank, &sum_v)))
+        return st;
+    if (rows == 0 || D == 0) return NULL;
+    SnqJob job = {(const float *)x.data, row_scale, (const float *)skip.data, (const float *)gamma.data, NULL, NULL,
+                  NULL, ((const SnqKernel *)kern)->epsilon, D, 0, rows, 0};
+    if ((st = ORT_FN(g_api, GetTensorMutableData, OrtGetTensorMutableDataFn)(codes_v, (void **)&job.codes)) ||
+        (st = ORT_FN(g_api, GetTensorMutableData, OrtGetTensorMutableDataFn)(scale_v, (void **)&job.scale)) ||
+        (st = ORT_FN(g_api, GetTensorMutableData, OrtGetTensorMutableDataFn)(sum_v, (void **)&job.sum)))
+        return st;
+    /* items of at least 64K elements: a decode step's few rows run inline */
+    job.rows_per_item = ((1 << 16) + D - 1) / D;
+    const size_t items = (size_t)((rows + job.rows_per_item - 1) / job.rows_per_item);
+    if (items > 1) {
+        st = ORT_FN(g_api, KernelContext_ParallelFor, OrtKernelContextParallelForFn)(
+            ctx, kern->paths->skip_norm_quantize_item, items, 0, &job);
+        if (st) return st;
+    } else {
+        kern->paths->skip_norm_quantize_item(&job, 0);
+    }
+    if (job.failed) return ort_status(ORT_FAIL, "optimize.SkipNormQuantize: out of memory for a row of scratch");
+    return NULL;
+}
+
+/* x float32, skip float32, gamma float32, optional row scale s float32 -> (codes uint8, scale float32,
+ * sum float32); attribute epsilon (float, required) */
+const OpDesc optimize_op_skip_norm_quantize = {
+    .name = "SkipNormQuantize",
+    .input_types = "FFFF",
+    .optional_inputs = 1,
+    .output_types = "QFF",
+    .kernel_size = sizeof(SnqKernel),
+    .init = init,
+    .compute = compute,
+};
