@@ -7,9 +7,10 @@ the paths so load from other processes falls on all of them alike (median over r
 - ops, each in its own one-node ONNX Runtime session (threads: --threads): PagedAttention decode (8
   sequences x 1 token, 1024 past, 12 heads / 4 KV heads, head dim 64) and prefill (512 tokens, no past);
   SiluMul, QuantizeRows and SkipNormQuantize (beside the Mul + SkipSimplifiedLayerNormalization + QuantizeRows
-  it replaces) on 1 and 512 rows; MatMulBf16 at M = 1 and 64 on a 2048 x 5632 weight (46 MB in
-  float32: larger than the caches, like a real model's decode), beside ONNX Runtime's own float32 MatMul on
-  the same weight (MLAS; the same for every path);
+  it replaces) on 1 and 512 rows; MatMulBf16 at M = 1 and 64 on a 4096 x 11008 weight (a 7B
+  model's MLP shape: 180 MB in float32, 90 MB in bfloat16, both larger than a server CPU's last-level cache
+  per core complex, so M = 1 reads from memory as a real model's decode does), beside ONNX Runtime's own
+  float32 MatMul on the same weight (MLAS; the same for every path);
 - the demo model (models/pycode-llama-6m) built with recipes/demo.yaml (float32) and recipes/demo-bf16.yaml
   (target.matmul: bfloat16), one batch-1 decode step at 256 past tokens, per path.
 
@@ -41,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 MARGIN = 1.10  # bf16 may be at most this much slower than float32 before the run fails
+BF16_SHAPE = (4096, 11008)  # MatMulBf16's weight: larger than the last-level cache in bf16 as in float32
 
 
 def cpu_name() -> str:
@@ -128,7 +130,7 @@ def op_cases(rng: np.random.Generator) -> dict[str, tuple[Any, dict[str, np.ndar
                                   domain="com.microsoft", epsilon=1e-5),
                  helper.make_node("QuantizeRows", ["n"], ["q", "scale"], domain="optimize")]
         out[f"Mul + SkipSimplifiedLayerNorm + QuantizeRows {rows} x 2048"] = (_model(three, ins, outs), feeds, True)
-    k, n = 2048, 5632
+    k, n = BF16_SHAPE
     w = (rng.standard_normal((k, n), dtype=np.float32) * 0.02).astype(np.float32)
     packed = pack_bf16(w)
     wt = TensorProto(name="w", data_type=TensorProto.BFLOAT16, dims=list(packed.shape))
@@ -240,7 +242,7 @@ def main() -> int:
         print(f"{n:36s}" + "".join(f"{ms[(n, c)]:12.3f}" if (n, c) in ms else f"{'':12s}" for c in cols))
 
     checks = []
-    k, nn = 2048, 5632
+    k, nn = BF16_SHAPE
     for isa in paths:
         checks.append({"path": isa, "what": f"MatMulBf16 M1 vs float32 MatMul M1 ({k}x{nn})",
                        "bf16_ms": ms[(f"MatMulBf16 M1 {k}x{nn}", isa)], "fp32_ms": ms[(f"MatMul float32 M1 {k}x{nn}", "-")]})

@@ -1,6 +1,6 @@
 /* The hot loops of the custom-op library (one op per op_*.c file, ort_ops.h), shared by its per-CPU code paths.
  *
- * The op files hold the ONNX Runtime glue (inputs, validation, the pool writes, the thread pool); the work
+ * The op files hold the ONNX Runtime glue (inputs, validation, the thread pool); the work
  * items they hand to the thread pool are compiled once per instruction set from one source,
  * cpu_kernels_impl.h, with the vector width of that instruction set's registers:
  *
@@ -53,6 +53,12 @@ typedef struct {
     float scale_log2; /* softmax scale * log2(e): scores are exponentiated in base 2 */
     const Item *items;
     int failed; /* set by an item that could not allocate its scratch */
+    /* the pool writes (kv_write_item, before the attention items): the step's K and V rows as the op reads
+     * them (token t's at ksrc / vsrc + t * kv_src_stride), `write_tokens` tokens per item of `tokens`, and
+     * for int8 pools with rotary the rotated keys [T][KVH * D] that the step then reads (kstep) */
+    const float *ksrc, *vsrc;
+    int64_t kv_src_stride, tokens, write_tokens;
+    float *rot;
 } Job;
 
 /* ---- QuantizeRows, SiluMul, SkipNormQuantize: items of whole rows ---------------------------------------------------------- */
@@ -108,6 +114,7 @@ typedef struct {
     const char *name;  /* "avx512", "avx2", "baseline" */
     int lanes;         /* float lanes per vector register */
     void (*attention_item)(void *job, size_t index);  /* Job */
+    void (*kv_write_item)(void *job, size_t index);  /* Job: the step's K/V into the pools */
     void (*quantize_rows_item)(void *job, size_t index);  /* QuantJob */
     void (*silu_mul_item)(void *job, size_t index);  /* SmJob */
     void (*skip_norm_quantize_item)(void *job, size_t index);  /* SnqJob */

@@ -558,26 +558,95 @@ static void attention_item(void *arg, size_t index) {
     free(mem);
 }
 
-/* VL int32 values in [0, 255] stored as bytes. GCC narrows int32 -> uint8 vectors lane by lane (an extract
- * and a byte store each) except on AVX-512 (vpmovdb), so AVX2 and SSE2 pack with their intrinsics. */
+/* VL int32 values in [0, 255] (vstore_u8) or [-128, 127] (vstore_i8) stored as bytes. GCC narrows int32 -> 8-bit
+ * vectors lane by lane (an extract and a byte store each) except on AVX-512 (vpmovdb), so AVX2 and SSE2 pack
+ * with their intrinsics (the values are in range: the saturating packs change nothing). */
 #if defined(__x86_64__) && VL == 8
-static inline void vstore_u8(uint8_t *dst, vi v) {
+static inline __m128i pack_bytes(vi v, int is_signed) {
     const __m256i w = (__m256i)v;
     const __m128i h = _mm_packs_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1)); /* 8 x int16 */
-    _mm_storel_epi64((__m128i *)(void *)dst, _mm_packus_epi16(h, h));
+    return is_signed ? _mm_packs_epi16(h, h) : _mm_packus_epi16(h, h);
 }
+static inline void vstore_u8(uint8_t *dst, vi v) { _mm_storel_epi64((__m128i *)(void *)dst, pack_bytes(v, 0)); }
+static inline void vstore_i8(int8_t *dst, vi v) { _mm_storel_epi64((__m128i *)(void *)dst, pack_bytes(v, 1)); }
 #elif defined(__x86_64__) && VL == 4
-static inline void vstore_u8(uint8_t *dst, vi v) {
+static inline void store_four(void *dst, vi v, int is_signed) {
     const __m128i h = _mm_packs_epi32((__m128i)v, (__m128i)v);
-    const int32_t four = _mm_cvtsi128_si32(_mm_packus_epi16(h, h));
+    const int32_t four = _mm_cvtsi128_si32(is_signed ? _mm_packs_epi16(h, h) : _mm_packus_epi16(h, h));
     memcpy(dst, &four, sizeof four);
 }
+static inline void vstore_u8(uint8_t *dst, vi v) { store_four(dst, v, 0); }
+static inline void vstore_i8(int8_t *dst, vi v) { store_four(dst, v, 1); }
 #else
 static inline void vstore_u8(uint8_t *dst, vi v) {
     const vu8 c = __builtin_convertvector(v, vu8);
     memcpy(dst, &c, sizeof c);
 }
+static inline void vstore_i8(int8_t *dst, vi v) {
+    const vi8 c = __builtin_convertvector(v, vi8);
+    memcpy(dst, &c, sizeof c);
+}
 #endif
+
+/* ==== the pool writes ===================================================================================== */
+
+/* quant_row (cpu_kernels.h) VL values at a time: x / s clamped to [-128, 127], then rounded to the nearest
+ * integer, ties to even, by adding and subtracting 1.5 * 2^23 (clamping before rounding gives the codes
+ * rounding then saturating gives: the bounds are integers) */
+static inline void quant_row_v(int8_t *dst, const float *src, int64_t D, float scale) {
+    const vf sv = vsplat(scale), magic = vsplat(12582912.0f), lo = vsplat(-128.0f), hi = vsplat(127.0f);
+    int64_t d = 0;
+    for (; d + VL <= D; d += VL) {
+        vf v = vload(src + d) / sv;
+        v = vmax(v, lo);
+        v = vselect(v > hi, hi, v);
+        vstore_i8(dst + d, __builtin_convertvector((v + magic) - magic, vi));
+    }
+    if (d < D) quant_row(dst + d, src + d, D - d, scale);
+}
+
+/* Tokens [index * write_tokens, ..) of the step into their pool slots (block_table[b][p / block_size], offset
+ * p % block_size): keys rotated on the way (RotaryPagedAttention), both quantized per KV head into int8 pools
+ * (the rotated keys also kept in rot, which the step attends to unquantized). Items cover disjoint tokens, and
+ * every token has its own slot, so items write disjoint memory. Compiled with fp-contract off: the rotation's
+ * x * cos - y * sin rounds each product, so the pools hold the same values on every code path. */
+__attribute__((optimize("fp-contract=off"))) static void kv_write_item(void *arg, size_t index) {
+    const Job *job = (const Job *)arg;
+    const int64_t KVH = job->kv_heads, D = job->head_dim, BS = job->block_size, MB = job->max_blocks;
+    const int64_t half = job->rdim / 2, stride = job->kv_src_stride;
+    const int64_t t0 = (int64_t)index * job->write_tokens;
+    const int64_t t1 = t0 + job->write_tokens < job->tokens ? t0 + job->write_tokens : job->tokens;
+    int64_t b = 0;
+    for (int64_t t = t0; t < t1; t++) {
+        while (job->cu[b + 1] <= t) b++;
+        const int64_t p = job->past[b] + (t - job->cu[b]);
+        const int64_t slot = (int64_t)job->bt[b * MB + p / BS] * BS + p % BS;
+        const float *ks = job->ksrc + t * stride, *vs = job->vsrc + t * stride;
+        const float *c = job->pos ? job->cos + job->pos[t] * half : NULL;
+        const float *s = job->pos ? job->sin + job->pos[t] * half : NULL;
+        if (job->kc8) {
+            for (int64_t h = 0; h < KVH; h++) {
+                const int64_t at = (slot * KVH + h) * D;
+                if (job->pos) {
+                    float *r = job->rot + (t * KVH + h) * D;
+                    rope_row(r, ks + h * D, D, job->rdim, job->interleaved, c, s, 1.0f);
+                    quant_row_v(job->kc8 + at, r, D, job->k_scale[h]);
+                } else {
+                    quant_row_v(job->kc8 + at, ks + h * D, D, job->k_scale[h]);
+                }
+                quant_row_v(job->vc8 + at, vs + h * D, D, job->v_scale[h]);
+            }
+            continue;
+        }
+        if (job->pos) {
+            for (int64_t h = 0; h < KVH; h++)
+                rope_row(job->kc + (slot * KVH + h) * D, ks + h * D, D, job->rdim, job->interleaved, c, s, 1.0f);
+        } else {
+            memcpy(job->kc + slot * KVH * D, ks, sizeof(float) * (size_t)(KVH * D));
+        }
+        memcpy(job->vc + slot * KVH * D, vs, sizeof(float) * (size_t)(KVH * D));
+    }
+}
 
 /* ==== QuantizeRows ======================================================================================= */
 

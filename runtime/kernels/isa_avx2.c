@@ -7,6 +7,6 @@
 
 #include "cpu_kernels_impl.h"
 
-const CpuKernels optimize_kernels_avx2 = {"avx2", VL, attention_item, quantize_rows_item, silu_mul_item,
-    skip_norm_quantize_item, bf16_convert_rows, bf16_rows, NULL};
+const CpuKernels optimize_kernels_avx2 = {"avx2", VL, attention_item, kv_write_item, quantize_rows_item,
+    silu_mul_item, skip_norm_quantize_item, bf16_convert_rows, bf16_rows, NULL};
 #endif

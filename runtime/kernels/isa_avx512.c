@@ -57,6 +57,6 @@ static void bf16_rows_dp(const void *a, int64_t lda, int64_t nr, const uint32_t 
     if (nr - r >= 1) bf16_tile_dp_1(a2 + r * lda, lda, w0, w1, KP, y + r * ldy, ldy, c0, c1);
 }
 
-const CpuKernels optimize_kernels_avx512 = {"avx512", VL, attention_item, quantize_rows_item, silu_mul_item,
-    skip_norm_quantize_item, bf16_convert_rows, bf16_rows, bf16_rows_dp};
+const CpuKernels optimize_kernels_avx512 = {"avx512", VL, attention_item, kv_write_item, quantize_rows_item,
+    silu_mul_item, skip_norm_quantize_item, bf16_convert_rows, bf16_rows, bf16_rows_dp};
 #endif

@@ -17,7 +17,8 @@
  *
  * Token i of sequence b (packed row cu_seqlens[b] + i) sits at position p = past_lens[b] + i. The op
  * first writes the step's K/V into the pools in place at block_table[b][p / block_size], offset
- * p % block_size (the slots the runtime's scheduler assigns), then attends each token to positions
+ * p % block_size (the slots the runtime's scheduler assigns; the work item kv_write_item, per code path, on
+ * the thread pool over tokens when the step is large), then attends each token to positions
  * [lo, p] of its own sequence read from the pools through the block table, lo = p - window + 1 (>= 0)
  * with a sliding window, else 0. No past is gathered into new tensors and no token of one sequence is
  * scored against another's.
@@ -184,47 +185,33 @@ OrtStatus *paged_attention_compute(const OpKernel *kernel, OrtKernelContext *ctx
     if ((st = ORT_FN(g_api, GetTensorMutableData, OrtGetTensorMutableDataFn)(out_value, (void **)&out))) return st;
 
     /* this step's K/V into the pools, in place (K rotated on the way by RotaryPagedAttention; quantized per
-     * KV head into int8 pools) */
+     * KV head into int8 pools): kv_write_item, over tokens on the thread pool when the step is large */
     float *kc = pools_i8 ? NULL : (float *)kct->data, *vc = pools_i8 ? NULL : (float *)vct->data;
     int8_t *kc8 = pools_i8 ? (int8_t *)kct->data : NULL, *vc8 = pools_i8 ? (int8_t *)vct->data : NULL;
-    const size_t row_bytes = sizeof(float) * (size_t)(KVH * D);
     const float *cos_c = src.cos, *sin_c = src.sin;
     /* int8 pools and rotary: the step's rotated keys [T][KVH * D], quantized into the pool and read unquantized
      * by the step itself */
     float *rot = NULL;
     if (pools_i8 && pos && !(rot = (float *)malloc(sizeof(float) * (size_t)(T * KVH * D + 1)))) FAIL("out of memory");
-    for (int64_t b = 0; b < B; b++) {
-        for (int64_t t = cu[b]; t < cu[b + 1]; t++) {
-            const int64_t p = past[b] + (t - cu[b]);
-            const int64_t slot = (int64_t)bt[b * MB + p / BS] * BS + p % BS;
-            const float *ks = ksrc + t * kv_stride, *vs = vsrc + t * kv_stride;
-            if (pools_i8) {
-                for (int64_t h = 0; h < KVH; h++) {
-                    const int64_t at = (slot * KVH + h) * D;
-                    if (pos) {
-                        float *r = rot + (t * KVH + h) * D;
-                        rope_row(r, ks + h * D, D, rdim, k->interleaved, cos_c + pos[t] * (rdim / 2),
-                                 sin_c + pos[t] * (rdim / 2), 1.0f);
-                        quant_row(kc8 + at, r, D, k_scale[h]);
-                    } else {
-                        quant_row(kc8 + at, ks + h * D, D, k_scale[h]);
-                    }
-                    quant_row(vc8 + at, vs + h * D, D, v_scale[h]);
-                }
-                continue;
-            }
-            if (pos) {
-                const float *c = cos_c + pos[t] * (rdim / 2), *s = sin_c + pos[t] * (rdim / 2);
-                for (int64_t h = 0; h < KVH; h++)
-                    rope_row(kc + (slot * KVH + h) * D, ks + h * D, D, rdim, k->interleaved, c, s, 1.0f);
-            } else {
-                memcpy(kc + slot * KVH * D, ks, row_bytes);
-            }
-            memcpy(vc + slot * KVH * D, vs, row_bytes);
+    const int64_t G = H / KVH;
+    Job job = {qsrc, q_stride, pos, cos_c, sin_c, rdim, k->interleaved, kc, vc, kc8, vc8, k_scale, v_scale,
+               rot ? rot : ksrc, vsrc, rot ? KVH * D : kv_stride, kv_stride, cu, past, bt, out, MB, BS, H, KVH,
+               D, G, k->window, k->scale * 1.4426950408889634f, NULL, 0, ksrc, vsrc, kv_stride, T, T, rot};
+    OrtKernelContextParallelForFn parallel_for =
+        ORT_FN(g_api, KernelContext_ParallelFor, OrtKernelContextParallelForFn);
+    /* items of at least 64K elements of K and V: a decode step's few tokens are written inline (an inline
+     * threshold of 0, OPTIMIZE_PAGED_CPU_INLINE_WORK=0 in the tests, writes one token per item) */
+    job.write_tokens = k->inline_work == 0 ? 1 : ((1 << 16) + 2 * KVH * D - 1) / (2 * KVH * D);
+    const size_t write_items = (size_t)((T + job.write_tokens - 1) / job.write_tokens);
+    if (write_items > 1) {
+        if ((st = parallel_for(ctx, kernel->paths->kv_write_item, write_items, 0, &job))) {
+            free(rot);
+            return st;
         }
+    } else {
+        kernel->paths->kv_write_item(&job, 0);
     }
 
-    const int64_t G = H / KVH;
     /* query tokens per tile: at most ROWS_TARGET rows, a multiple of NR rows where G allows */
     int64_t step = NR;
     while (step > 1 && (G * step) % (2 * NR) == 0) step /= 2;
@@ -246,11 +233,7 @@ OrtStatus *paged_attention_compute(const OpKernel *kernel, OrtKernelContext *ctx
             for (int64_t g = 0; g < KVH; g++) items[n++] = (Item){(int32_t)b, (int32_t)g, (int32_t)q0, (int32_t)q1};
         }
     }
-    Job job = {qsrc, q_stride, pos, cos_c, sin_c, rdim, k->interleaved, kc, vc, kc8, vc8, k_scale, v_scale,
-               rot ? rot : ksrc, vsrc, rot ? KVH * D : kv_stride, kv_stride, cu, past, bt, out, MB, BS, H, KVH,
-               D, G, k->window, k->scale * 1.4426950408889634f, items, 0};
-    OrtKernelContextParallelForFn parallel_for =
-        ORT_FN(g_api, KernelContext_ParallelFor, OrtKernelContextParallelForFn);
+    job.items = items;
     if (work >= k->inline_work && n_items > 1) {
         st = parallel_for(ctx, kernel->paths->attention_item, (size_t)n_items, 0, &job);
     } else {
