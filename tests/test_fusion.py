@@ -252,6 +252,18 @@ def test_int8_row_quantization_as_one_node_is_exact(tmp_path: Path) -> None:
     np.testing.assert_array_equal(got, base)
 
 
+TWIN_STEP = (prompts_of([70], seed=1)[0], [13, 40, 41, 70])  # a 70-token prompt, prefilled in four chunks
+
+
+def assert_logits_equal_to_twin(fused: Path, model: onnx.ModelProto, twin: Path) -> np.ndarray:
+    """Save `model` (the fused graph with the replaced nodes put back) into `twin` (a copy of the fused
+    artifact) and check that both give the same logits bit for bit, chunked prefill included; returns them."""
+    onnx.save(model, twin / "model.onnx")
+    got = chunked_logits(LLMEngine(fused), *TWIN_STEP)
+    np.testing.assert_array_equal(got, chunked_logits(LLMEngine(twin, verify=False), *TWIN_STEP))
+    return got
+
+
 def test_int8_row_scale_folded_into_silu_mul_is_exact(tmp_path: Path) -> None:
     """SiluMul(x, s) multiplies each row by its scale with the same float32 products as the Mul it replaces:
     the logits equal, bit for bit, those of the same graph with the Mul put back before each SiluMul."""
@@ -272,13 +284,8 @@ def test_int8_row_scale_folded_into_silu_mul_is_exact(tmp_path: Path) -> None:
         model.graph.node.insert(list(model.graph.node).index(n), mul)
         del n.input[:]
         n.input.append(mul.output[0])
-    onnx.save(model, twin / "model.onnx")
-    ids = prompts_of([70], seed=1)[0]
-    cuts = [13, 40, 41, 70]
-    got = chunked_logits(LLMEngine(fused), ids, cuts)
-    base = chunked_logits(LLMEngine(twin, verify=False), ids, cuts)
-    np.testing.assert_array_equal(got, base)
-    unfused = chunked_logits(LLMEngine(tmp_path / "unfused", verify=False), ids, cuts)
+    got = assert_logits_equal_to_twin(fused, model, twin)
+    unfused = chunked_logits(LLMEngine(tmp_path / "unfused", verify=False), *TWIN_STEP)
     assert np.abs(got - unfused).max() < 1e-4  # SiluMul's exp against MLAS's logistic: float rounding only
 
 
@@ -317,12 +324,7 @@ def test_int8_skip_norm_quantize_is_exact(tmp_path: Path) -> None:
                 h.make_node("QuantizeRows", [f"{n.name}_norm"], [codes, scale], name=f"{n.name}_rows",
                             domain="optimize")]):
             model.graph.node.insert(at + k, node)
-    onnx.save(model, twin / "model.onnx")
-    ids = prompts_of([70], seed=1)[0]
-    cuts = [13, 40, 41, 70]
-    got = chunked_logits(LLMEngine(fused), ids, cuts)
-    base = chunked_logits(LLMEngine(twin, verify=False), ids, cuts)
-    np.testing.assert_array_equal(got, base)
+    assert_logits_equal_to_twin(fused, model, twin)
     prompts = prompts_of([5, 33, 64], seed=4)
     assert greedy(fused, prompts) == greedy(tmp_path / "unfused", prompts, verify=False)
 

@@ -30,15 +30,7 @@ static OrtStatus *compute(const OpKernel *kern, OrtKernelContext *ctx) {
     QuantJob job = {(const float *)x.data, NULL, NULL, K, 0, rows};
     if ((st = ORT_FN(g_api, GetTensorMutableData, OrtGetTensorMutableDataFn)(codes_v, (void **)&job.codes))) return st;
     if ((st = ORT_FN(g_api, GetTensorMutableData, OrtGetTensorMutableDataFn)(scale_v, (void **)&job.scale))) return st;
-    /* items of at least 64K elements: a decode step's few rows run inline */
-    job.rows_per_item = K > 0 ? ((1 << 16) + K - 1) / K : rows;
-    if (job.rows_per_item < 1) job.rows_per_item = 1;
-    const size_t items = (size_t)((rows + job.rows_per_item - 1) / job.rows_per_item);
-    if (items > 1)
-        return ORT_FN(g_api, KernelContext_ParallelFor, OrtKernelContextParallelForFn)(ctx, kern->paths->quantize_rows_item, items, 0,
-                                                                                      &job);
-    kern->paths->quantize_rows_item(&job, 0);
-    return NULL;
+    return ort_run_rows(ctx, kern->paths->quantize_rows_item, &job, rows, K, &job.rows_per_item);
 }
 
 /* x float32 -> (codes uint8, scale float32); no attributes */

@@ -26,32 +26,14 @@ static OrtStatus *compute(const OpKernel *kern, OrtKernelContext *ctx) {
     out_dims[x.rank - 1] = last / 2;
     /* the optional row scale: one float32 per row of x ([.., 1], QuantizeRows' scale output) */
     const float *row_scale = NULL;
-    size_t count = 0;
-    if ((st = ORT_FN(g_api, KernelContext_GetInputCount, OrtKernelContextGetInputCountFn)(ctx, &count))) return st;
-    if (count > 1) {
-        Tensor s;
-        if ((st = ort_read_input(ctx, 1, &s))) return st;
-        if (s.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) FAIL("scale must be float32");
-        int64_t n = 1;
-        for (size_t i = 0; i < s.rank; i++) n *= s.dims[i];
-        if (s.rank != x.rank || s.dims[s.rank - 1] != 1 || n != rows)
-            FAIL("scale must hold one value per row of x ([.., 1], %lld rows), got %lld values", (long long)rows,
-                 (long long)n);
-        row_scale = (const float *)s.data;
-    }
+    if ((st = ort_read_row_scale(ctx, opname, 1, x.rank, rows, &row_scale))) return st;
     OrtValue *y_v = NULL;
     if ((st = ORT_FN(g_api, KernelContext_GetOutput, OrtKernelContextGetOutputFn)(ctx, 0, out_dims, x.rank, &y_v)))
         return st;
     if (rows == 0 || last == 0) return NULL;
     SmJob job = {(const float *)x.data, row_scale, NULL, last / 2, 0, rows};
     if ((st = ORT_FN(g_api, GetTensorMutableData, OrtGetTensorMutableDataFn)(y_v, (void **)&job.y))) return st;
-    job.rows_per_item = ((1 << 16) + last - 1) / last;
-    const size_t items = (size_t)((rows + job.rows_per_item - 1) / job.rows_per_item);
-    if (items > 1)
-        return ORT_FN(g_api, KernelContext_ParallelFor, OrtKernelContextParallelForFn)(ctx, kern->paths->silu_mul_item, items, 0,
-                                                                                      &job);
-    kern->paths->silu_mul_item(&job, 0);
-    return NULL;
+    return ort_run_rows(ctx, kern->paths->silu_mul_item, &job, rows, last, &job.rows_per_item);
 }
 
 /* x float32, optional row scale s float32 -> y float32; no attributes */

@@ -50,18 +50,7 @@ static OrtStatus *compute(const OpKernel *kern, OrtKernelContext *ctx) {
         FAIL("skip must have x's shape");
     if (gamma.rank != 1 || gamma.dims[0] != D) FAIL("gamma must be [%lld], x's last dimension", (long long)D);
     const float *row_scale = NULL;
-    size_t count = 0;
-    if ((st = ORT_FN(g_api, KernelContext_GetInputCount, OrtKernelContextGetInputCountFn)(ctx, &count))) return st;
-    if (count > 3) {
-        Tensor s;
-        if ((st = ort_read_input(ctx, 3, &s))) return st;
-        int64_t n = 1;
-        for (size_t i = 0; i < s.rank; i++) n *= s.dims[i];
-        if (s.rank != x.rank || s.dims[s.rank - 1] != 1 || n != rows)
-            FAIL("scale must hold one value per row of x ([.., 1], %lld rows), got %lld values", (long long)rows,
-                 (long long)n);
-        row_scale = (const float *)s.data;
-    }
+    if ((st = ort_read_row_scale(ctx, opname, 3, x.rank, rows, &row_scale))) return st;
     int64_t scale_dims[4];
     memcpy(scale_dims, x.dims, sizeof scale_dims);
     scale_dims[x.rank - 1] = 1;
@@ -78,16 +67,8 @@ static OrtStatus *compute(const OpKernel *kern, OrtKernelContext *ctx) {
         (st = ORT_FN(g_api, GetTensorMutableData, OrtGetTensorMutableDataFn)(scale_v, (void **)&job.scale)) ||
         (st = ORT_FN(g_api, GetTensorMutableData, OrtGetTensorMutableDataFn)(sum_v, (void **)&job.sum)))
         return st;
-    /* items of at least 64K elements: a decode step's few rows run inline */
-    job.rows_per_item = ((1 << 16) + D - 1) / D;
-    const size_t items = (size_t)((rows + job.rows_per_item - 1) / job.rows_per_item);
-    if (items > 1) {
-        st = ORT_FN(g_api, KernelContext_ParallelFor, OrtKernelContextParallelForFn)(
-            ctx, kern->paths->skip_norm_quantize_item, items, 0, &job);
-        if (st) return st;
-    } else {
-        kern->paths->skip_norm_quantize_item(&job, 0);
-    }
+    if ((st = ort_run_rows(ctx, kern->paths->skip_norm_quantize_item, &job, rows, D, &job.rows_per_item)))
+        return st;
     if (job.failed) return ort_status(ORT_FAIL, "optimize.SkipNormQuantize: out of memory for a row of scratch");
     return NULL;
 }

@@ -69,6 +69,36 @@ OrtStatus *ort_read_rows(OrtKernelContext *ctx, const char *opname, Tensor *x) {
     return NULL;
 }
 
+OrtStatus *ort_read_row_scale(OrtKernelContext *ctx, const char *opname, size_t index, size_t rank, int64_t rows,
+                              const float **scale) {
+    char msg[256];
+    size_t count = 0;
+    *scale = NULL;
+    OrtStatus *st = ORT_FN(g_api, KernelContext_GetInputCount, OrtKernelContextGetInputCountFn)(ctx, &count);
+    if (st || count <= index) return st;
+    Tensor s;
+    if ((st = ort_read_input(ctx, index, &s))) return st;
+    if (s.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) FAIL("scale must be float32");
+    int64_t n = 1;
+    for (size_t i = 0; i < s.rank; i++) n *= s.dims[i];
+    if (s.rank != rank || s.dims[s.rank - 1] != 1 || n != rows)
+        FAIL("scale must hold one value per row of x ([.., 1], %lld rows), got %lld values", (long long)rows,
+             (long long)n);
+    *scale = (const float *)s.data;
+    return NULL;
+}
+
+OrtStatus *ort_run_rows(OrtKernelContext *ctx, void (*item)(void *job, size_t index), void *job, int64_t rows,
+                        int64_t width, int64_t *rows_per_item) {
+    *rows_per_item = width > 0 ? ((1 << 16) + width - 1) / width : rows;
+    if (*rows_per_item < 1) *rows_per_item = 1;
+    const size_t items = (size_t)((rows + *rows_per_item - 1) / *rows_per_item);
+    if (items > 1)
+        return ORT_FN(g_api, KernelContext_ParallelFor, OrtKernelContextParallelForFn)(ctx, item, items, 0, job);
+    item(job, 0);
+    return NULL;
+}
+
 /* The current choice of code path (optimize_select_kernel_paths below; NULL until one is made). */
 static const CpuKernels *g_sel;
 

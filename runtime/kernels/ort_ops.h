@@ -78,6 +78,17 @@ HIDDEN OrtStatus *ort_read_input(OrtKernelContext *ctx, size_t index, Tensor *t)
 /* Input 0 of a one-input op on rows (QuantizeRows, SiluMul): a float32 tensor of rank 1 or more. */
 HIDDEN OrtStatus *ort_read_rows(OrtKernelContext *ctx, const char *opname, Tensor *x);
 
+/* Input `index` of a rows op, when the node has it: one float32 per row of x (x's rank, last dimension 1, `rows`
+ * values: QuantizeRows' scale output); *scale is NULL when the node has no such input. */
+HIDDEN OrtStatus *ort_read_row_scale(OrtKernelContext *ctx, const char *opname, size_t index, size_t rank,
+                                     int64_t rows, const float **scale);
+
+/* Run `item` over `rows` rows of `width` elements: items of whole rows, at least 64K elements each (a decode
+ * step's few rows run inline, larger inputs on ONNX Runtime's pool). Sets *rows_per_item (a field of `job`)
+ * before the first item runs. */
+HIDDEN OrtStatus *ort_run_rows(OrtKernelContext *ctx, void (*item)(void *job, size_t index), void *job,
+                               int64_t rows, int64_t width, int64_t *rows_per_item);
+
 /* Return an ORT_INVALID_ARGUMENT status "optimize.<opname>: <printf message>" (the caller declares the char
  * array `msg` and the string `opname`). */
 #define FAIL(...)                                                                                          \
