@@ -18,11 +18,26 @@ Mul's output is read by the SiluMul alone.
 
 from __future__ import annotations
 
+import onnx
 from onnx import helper
 
 from compiler.fusion.graph import FusionGraph, RuleReport
 
 DOMAIN = "optimize"
+
+
+def row_scaled(producers: dict[str, onnx.NodeProto], name: str) -> tuple[onnx.NodeProto, str, str] | None:
+    """(Mul, x, s) when `name` is a per-token GEMM's scaled output Mul(x, s), s QuantizeRows' scale output (one
+    value per row); None otherwise. (compiler/fusion/skip_norm_quantize.py folds the same Mul.)"""
+    mul = producers.get(name)
+    if mul is None or mul.op_type != "Mul" or mul.domain not in ("", "ai.onnx"):
+        return None
+    scaled = [i for i, x in enumerate(mul.input)
+              if (p := producers.get(x)) is not None and p.op_type == "QuantizeRows" and p.domain == DOMAIN
+              and list(p.output[1:2]) == [x]]
+    if len(scaled) != 1:
+        return None
+    return mul, mul.input[1 - scaled[0]], mul.input[scaled[0]]
 
 
 def fuse_row_scale(g: FusionGraph) -> RuleReport:
@@ -32,18 +47,13 @@ def fuse_row_scale(g: FusionGraph) -> RuleReport:
     producers = g.producer_map()
     consumers = g.consumer_map()
     for sm in [n for n in g.nodes if n.op_type == "SiluMul" and n.domain == DOMAIN and len(n.input) == 1]:
-        mul = producers.get(sm.input[0])
-        if mul is None or mul.op_type != "Mul" or mul.domain not in ("", "ai.onnx"):
-            continue
-        scaled = [i for i, name in enumerate(mul.input)
-                  if (p := producers.get(name)) is not None and p.op_type == "QuantizeRows" and p.domain == DOMAIN
-                  and list(p.output[1:2]) == [name]]
-        if len(scaled) != 1:
+        found = row_scaled(producers, sm.input[0])
+        if found is None:
             continue  # not a per-token GEMM's row scale
+        mul, x, s = found
         if consumers.get(mul.output[0], []) != [sm] or mul.output[0] in g.graph_outputs:
             report.miss(sm.output[0], "the scaled projection is read by more than the SiluMul")
             continue
-        x, s = mul.input[1 - scaled[0]], mul.input[scaled[0]]
         node = helper.make_node("SiluMul", [x, s], list(sm.output), name=g.unique(f"{sm.name}_scaled"), domain=DOMAIN)
         g.nodes[g.index(sm)] = node
         g.nodes.remove(mul)

@@ -20,26 +20,12 @@ place (the op then takes no `s`) otherwise.
 
 from __future__ import annotations
 
-import onnx
 from onnx import helper
 
-from compiler.fusion.graph import MS_DOMAIN, FusionGraph, RuleReport, attr
+from compiler.fusion.graph import MS_DOMAIN, FusionGraph, RuleReport
+from compiler.fusion.row_scale import row_scaled
 
 DOMAIN = "optimize"
-
-
-def _row_scaled(g: FusionGraph, name: str, producers: dict[str, onnx.NodeProto],
-                consumers: dict[str, list[onnx.NodeProto]], reader: onnx.NodeProto) -> tuple[onnx.NodeProto, str, str] | None:
-    """(Mul, x, s) when `name` is Mul(x, s) with s a QuantizeRows scale and `reader` its only reader."""
-    mul = producers.get(name)
-    if mul is None or mul.op_type != "Mul" or mul.domain not in ("", "ai.onnx"):
-        return None
-    scaled = [i for i, x in enumerate(mul.input)
-              if (p := producers.get(x)) is not None and p.op_type == "QuantizeRows" and p.domain == DOMAIN
-              and list(p.output[1:2]) == [x]]
-    if len(scaled) != 1 or consumers.get(name, []) != [reader] or name in g.graph_outputs:
-        return None
-    return mul, mul.input[1 - scaled[0]], mul.input[scaled[0]]
 
 
 def fuse_skip_norm_quantize(g: FusionGraph) -> RuleReport:
@@ -62,21 +48,22 @@ def fuse_skip_norm_quantize(g: FusionGraph) -> RuleReport:
         if any(o and (consumers.get(o) or o in g.graph_outputs) for o in norm.output[1:3]):
             report.miss(q.output[0], "the norm's mean or inv_std_var output is read")
             continue
-        eps = next((a for a in norm.attribute if a.name == "epsilon"), None)
+        eps = next((a.f for a in norm.attribute if a.name == "epsilon"), None)
         if eps is None:
             report.miss(q.output[0], "the norm has no epsilon attribute")
             continue
         a, b = norm.input[0], norm.input[1]
-        found = _row_scaled(g, a, producers, consumers, norm) or _row_scaled(g, b, producers, consumers, norm)
         inputs = [a, b, norm.input[2]]
         mul = None
-        if found is not None:
-            mul, x, s = found
-            inputs = [x, b if mul.output[0] == a else a, norm.input[2], s]
+        for summand, other in ((a, b), (b, a)):  # the Mul folds in when the norm alone reads its product
+            found = row_scaled(producers, summand)
+            if found is not None and consumers.get(summand, []) == [norm] and summand not in g.graph_outputs:
+                mul, x, s = found
+                inputs = [x, other, norm.input[2], s]
+                break
         sum_out = norm.output[3] if len(norm.output) > 3 and norm.output[3] else g.unique(f"{norm.name}_sum")
         node = helper.make_node("SkipNormQuantize", inputs, [q.output[0], q.output[1], sum_out],
-                                name=g.unique(f"{norm.name}_quantized"), domain=DOMAIN,
-                                epsilon=float(attr(norm, "epsilon", 0.0)))
+                                name=g.unique(f"{norm.name}_quantized"), domain=DOMAIN, epsilon=eps)
         # the new node stands where the norm stood: after both summands exist, before every reader
         g.nodes[g.index(norm)] = node
         g.nodes.remove(q)

@@ -7,8 +7,9 @@ Rules (compiler/fusion/, one module per family; all on by default): `rms_norm`
 (optimize.RotaryPagedAttention on the packed QKV, paged_cpu graphs), `quick_gelu`
 (com.microsoft.QuickGelu for SiLU), `swiglu` (optimize.SiluMul for the MLP's Split + SiLU + Mul, graphs that
 use the C library), `quantize_rows` (optimize.QuantizeRows), `row_scale` (the gate/up projection's per-token
-INT8 row scale into SiluMul's scale input), `skip_norm_quantize` (optimize.SkipNormQuantize for the row-scale Mul +
-SkipSimplifiedLayerNormalization + QuantizeRows after o_proj and down_proj). Options: `rules: [...]` (the set to run) or `disable: [...]`.
+INT8 row scale into SiluMul's scale input), `skip_norm_quantize` (optimize.SkipNormQuantize for the row-scale
+Mul + SkipSimplifiedLayerNormalization + QuantizeRows after o_proj and down_proj). Options: `rules: [...]` (the
+set to run) or `disable: [...]`.
 
 Stats (manifest): rules run, how often each fired (`fusions`), candidates left alone and why
 (`not_fused`), `nodes_before`, `nodes_after`, `op_types` after, what was checked. The result is

@@ -61,7 +61,7 @@ typedef struct {
     float *rot;
 } Job;
 
-/* ---- QuantizeRows, SiluMul, SkipNormQuantize: items of whole rows ---------------------------------------------------------- */
+/* ---- QuantizeRows, SiluMul, SkipNormQuantize: items of whole rows ------------------------------------- */
 
 typedef struct {
     const float *x;

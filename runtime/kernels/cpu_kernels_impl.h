@@ -685,7 +685,8 @@ static void quantize_rows_item(void *arg, size_t index) {
     const QuantJob *job = (const QuantJob *)arg;
     const int64_t r0 = (int64_t)index * job->rows_per_item;
     const int64_t r1 = r0 + job->rows_per_item < job->rows ? r0 + job->rows_per_item : job->rows;
-    for (int64_t r = r0; r < r1; r++) job->scale[r] = quantize_row_u8(job->x + r * job->K, job->K, job->codes + r * job->K);
+    for (int64_t r = r0; r < r1; r++)
+        job->scale[r] = quantize_row_u8(job->x + r * job->K, job->K, job->codes + r * job->K);
 }
 
 /* ==== SkipNormQuantize =================================================================================== */
