@@ -41,8 +41,8 @@ def fix_mmap_threshold() -> int | None:
     glibc's default); returns the threshold set, None where nothing was set.
 
     By default glibc raises the threshold (up to 32 MiB) each time a large mmapped block is freed, after
-    which a long prefill's activation buffers (ONNX Runtime's CPU arena is off, see below) come from the
-    heap and stay resident: peak RSS of llama-110m int8 at W3 was 604-612 MB or 738 MB from run to run.
+    which a long prefill's activation buffers (without ONNX Runtime's CPU arena: OPTIMIZE_ORT_ARENA=0) come
+    from the heap and stay resident: peak RSS of llama-110m int8 at W3 was 604-612 MB or 738 MB from run to run.
     A fixed threshold keeps them mmapped, so they go back to the system when freed (604-606 MB in three
     runs; W2 TTFT and W3 throughput within the machine's noise). Process-wide, glibc only."""
     threshold = int(os.environ.get("OPTIMIZE_MMAP_THRESHOLD", str(1 << 20)))
@@ -90,13 +90,19 @@ class OnnxRuntimeBackend:
         if threads:
             so.intra_op_num_threads = threads
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        # ONNX Runtime's CPU arena keeps the largest step's activations for good and grows in powers of
-        # two; without it a long prefill's buffers go back to the system after the step. Peak RSS of
-        # llama-110m at W3 (16 x 128 prompts, a 2048-token first step): 912 against 1007 MB (fp32), 611
-        # against 710 MB (int4), throughput within the machine's run-to-run noise. OPTIMIZE_ORT_ARENA=1
-        # turns the arena back on.
-        so.enable_cpu_mem_arena = os.environ.get("OPTIMIZE_ORT_ARENA", "0") == "1"
-        if not so.enable_cpu_mem_arena and "CPUExecutionProvider" in (providers or ["CPUExecutionProvider"]):
+        # ONNX Runtime's CPU arena, without memory patterns: every step's activation buffers are carved
+        # from memory the process keeps, so a step does not first-touch (page-fault through) fresh
+        # mmapped buffers. bench/arena.py, llama-110m int8kv, AVX2 path: 3.1k against 11.8k minor faults
+        # per 1,024-token prefill, 6.2k against 366k per W3 run; W3 1179 against 942 tok/s (paired
+        # rounds), W2 TTFT -1.8 %, W1 unchanged; peak RSS at W3 400 against 382 MB. Memory patterns (one
+        # planned block per input shape, ONNX Runtime's default with the arena) are off: with them the
+        # arena kept every shape's block (peak RSS at W3 491 MB). OPTIMIZE_ORT_ARENA=0 runs without the
+        # arena (memory patterns on, glibc's mmap threshold fixed: a long prefill's buffers go back to
+        # the system after the step).
+        arena = os.environ.get("OPTIMIZE_ORT_ARENA", "1") != "0"
+        so.enable_cpu_mem_arena = arena
+        so.enable_mem_pattern = not arena
+        if not arena and "CPUExecutionProvider" in (providers or ["CPUExecutionProvider"]):
             fix_mmap_threshold()
         # ONNX Runtime's profiler (every node's kernel time; bench/profile_nodes.py reads it):
         # OPTIMIZE_ORT_PROFILE=<file prefix>; the trace is written by end_profiling()
