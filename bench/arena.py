@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.profile_nodes import WORKLOADS, prompts  # noqa: E402
+from bench.report import write_json  # noqa: E402
 
 MODES = {"arena": "1", "no arena": "0"}  # name: OPTIMIZE_ORT_ARENA
 
@@ -133,9 +134,7 @@ def main() -> int:
               f"{v['faults_per_run_arena']:>12.0f} / {v['faults_per_run_no_arena']:.0f}")
     for name, r in rss.items():
         print(f"peak RSS {name}: after W2 {r['W2']:.0f} MB, after W3 {r['W3']:.0f} MB")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
-    print(f"wrote {args.json}")
+    write_json(args.json, result)
     return 0
 
 

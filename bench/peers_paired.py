@@ -28,6 +28,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.report import write_json  # noqa: E402
+
 METRIC = {"W1": ("decode_tok_s", 1.0, "decode tok/s"), "W2": ("ttft_s", 1e3, "TTFT ms"),
           "W3": ("throughput_tok_s", 1.0, "tok/s")}
 
@@ -95,9 +99,7 @@ def main() -> int:
     for i, (x, y, q) in enumerate(zip(result["a"], result["b"], result["ratios_a_over_b"], strict=True)):
         print(f"{i:<8}{x:>24.1f}{y:>24.1f}{q:>8.3f}")
     print(f"{'median':<8}{result['median_a']:>24.1f}{result['median_b']:>24.1f}{result['median_ratio_a_over_b']:>8.3f}")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
-    print(f"wrote {args.json}")
+    write_json(args.json, result)
     return 0
 
 
