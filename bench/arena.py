@@ -7,7 +7,9 @@ fresh mappings whose every page faults on first touch. This bench runs the peer 
 W3 16 x 128 prompt + 128 new, tok/s) through LLMEngine:
 
 - speed: both modes in one process, interleaved rounds (order alternating, so drift hits both alike),
-  per-round ratios and their median, and the minor page faults per run of each mode;
+  per-round ratios and their median, and the minor page faults per run of each mode (the no-arena
+  engine fixes glibc's mmap threshold for the whole process, as it does in serving, so the arena
+  engine's own large numpy buffers follow it here too);
 - peak RSS: one subprocess per mode running W2 then W3 (ru_maxrss, which a process cannot reset).
 
 Prints a table and writes JSON (default bench/results/arena.json). `OPTIMIZE_CPU_ISA` pins the C ops'

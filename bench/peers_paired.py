@@ -10,6 +10,8 @@ Prints a table and writes JSON (default bench/results/peers_paired.json).
 A side is `engine:precision` or `engine:precision:variant` as run_peers.py names them (`optimize:int8`,
 `openvino:int4`, `llama.cpp:f32`, `openvino:fp32:f32`). The environment is run_peers.py's (PEERS_HOME,
 OPTIMIZE_PY, OPTIMIZE_BIN, OPTIMIZE_RECIPES, OV_PY, ...); `OPTIMIZE_CPU_ISA` reaches our engine through it.
+A side named without a variant runs every variant run_peers.py has for that engine and precision
+(`openvino:fp32` also runs `openvino:fp32:f32`); only the side's own result is read.
 
     python bench/peers_paired.py W2 optimize:int8 openvino:int4 [--rounds 10] [--model llama-110m]
         [--peers ../shared/peers]
