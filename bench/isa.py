@@ -73,8 +73,9 @@ def _model(nodes: list[Any], inputs: list[Any], outputs: list[Any], inits: list[
     from onnx import helper
 
     graph = helper.make_graph(nodes, "bench", inputs, outputs, inits or [])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("optimize", 1),
-                                                   helper.make_opsetid("com.microsoft", 1)])
+    # IR 10: what every supported ONNX Runtime (>= 1.20) reads; make_model would write the installed onnx's newest
+    return helper.make_model(graph, ir_version=10, opset_imports=[
+        helper.make_opsetid("", 21), helper.make_opsetid("optimize", 1), helper.make_opsetid("com.microsoft", 1)])
 
 
 def op_cases(rng: np.random.Generator) -> dict[str, tuple[Any, dict[str, np.ndarray], bool]]:

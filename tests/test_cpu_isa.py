@@ -22,6 +22,7 @@ import onnxruntime as ort
 import pytest
 from cpu_paths import PATHS, bf16_dot, expected_default, missing, use_path
 from onnx import TensorProto, helper
+from onnx_model import make_model
 
 from runtime.kernels import paged_attention_cpu as pk
 
@@ -100,7 +101,7 @@ def test_a_session_keeps_the_path_it_was_created_with(path: str, monkeypatch: py
     node = helper.make_node("SiluMul", ["x"], ["y"], domain=pk.DOMAIN)
     f = helper.make_tensor_value_info
     graph = helper.make_graph([node], "s", [f("x", TensorProto.FLOAT, ["T", 64])], [f("y", TensorProto.FLOAT, ["T", 32])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(pk.DOMAIN, 1)])
+    model = make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(pk.DOMAIN, 1)])
     so = ort.SessionOptions()
     assert pk.register(so)["ops"]["SiluMul"] == path
     sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])

@@ -11,6 +11,7 @@ import onnx
 import pytest
 from conftest import DEMO_MODEL, make_random_checkpoint, write_recipe
 from onnx import TensorProto, helper
+from onnx_model import make_model
 
 from compiler.build import build, plan
 from compiler.passes.plan_cuda_graphs import default_buckets, host_sync_findings
@@ -21,7 +22,7 @@ PASSES = "  - name: capture\n  - name: lower_onnx\n  - name: plan_cuda_graphs\n{
 
 def _graph(nodes: list, inputs: list, outputs: list, inits: list | None = None) -> onnx.ModelProto:
     g = helper.make_graph(nodes, "g", inputs, outputs, initializer=inits or [])
-    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])
+    return make_model(g, opset_imports=[helper.make_opsetid("", 21)])
 
 
 def _vi(name: str, elem: int = TensorProto.INT64, shape: list | None = None) -> onnx.ValueInfoProto:

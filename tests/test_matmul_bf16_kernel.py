@@ -22,6 +22,7 @@ from cpu_paths import PATHS, bf16_dot, host_flags, use_path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper
+from onnx_model import make_model
 
 from compiler.fusion.matmul_bf16 import bf16_bits, bf16_to_float32, pack_bf16, reference_matmul, unpack_bf16
 from runtime.kernels import paged_attention_cpu as pk
@@ -35,7 +36,7 @@ def op_model(k: int, n: int, packed: np.ndarray, rank: int = 2) -> bytes:
     f = helper.make_tensor_value_info
     graph = helper.make_graph([node], "bf16", [f("a", TensorProto.FLOAT, [*lead, k])],
                               [f("y", TensorProto.FLOAT, [*lead, n])], [w])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(pk.DOMAIN, 1)])
+    model = make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(pk.DOMAIN, 1)])
     return model.SerializeToString()
 
 

@@ -22,6 +22,7 @@ from cpu_paths import cpu_path  # noqa: F401 - the fixture each code path runs u
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper
+from onnx_model import make_model
 
 from runtime.kernels import paged_attention_cpu as pk
 from runtime.kernels.paged_attention import paged_attention_reference
@@ -42,7 +43,7 @@ def op_model(num_heads: int, kv_heads: int, head_dim: int, scale: float, window:
               f("cu", TensorProto.INT32, ["B1"]), f("past", TensorProto.INT32, ["B"]),
               f("bt", TensorProto.INT32, ["B", "MB"])]
     graph = helper.make_graph([node], "paged", inputs, [f("o", TensorProto.FLOAT, ["T", num_heads * head_dim])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(pk.DOMAIN, 1)])
+    model = make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(pk.DOMAIN, 1)])
     return model.SerializeToString()
 
 
@@ -238,7 +239,7 @@ def rope_model(num_heads: int, kv_heads: int, head_dim: int, scale: float, windo
               f("bt", TensorProto.INT32, ["B", "MB"])]
     graph = helper.make_graph([node], "rope_paged", inputs,
                               [f("o", TensorProto.FLOAT, ["T", num_heads * head_dim])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(pk.DOMAIN, 1)])
+    model = make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(pk.DOMAIN, 1)])
     return model.SerializeToString()
 
 
@@ -446,7 +447,7 @@ def six_node_quantization() -> bytes:
     f = helper.make_tensor_value_info
     graph = helper.make_graph(nodes, "rows", [f("x", TensorProto.FLOAT, ["T", "K"])],
                               [f("q", TensorProto.UINT8, ["T", "K"]), f("s", TensorProto.FLOAT, ["T", 1])], inits)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]).SerializeToString()
+    return make_model(graph, opset_imports=[helper.make_opsetid("", 21)]).SerializeToString()
 
 
 def quantize_rows_model() -> bytes:
@@ -454,7 +455,7 @@ def quantize_rows_model() -> bytes:
     f = helper.make_tensor_value_info
     graph = helper.make_graph([node], "rows", [f("x", TensorProto.FLOAT, ["T", "K"])],
                               [f("q", TensorProto.UINT8, ["T", "K"]), f("s", TensorProto.FLOAT, ["T", 1])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(pk.DOMAIN, 1)])
+    model = make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(pk.DOMAIN, 1)])
     return model.SerializeToString()
 
 
@@ -476,6 +477,9 @@ def test_quantize_rows_equals_the_six_nodes_it_replaces(rows: int, cols: int, ma
     so.intra_op_num_threads = 2
     pk.register(so)
     got = ort.InferenceSession(quantize_rows_model(), so, providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    if rows == 0:  # no rows: the shapes alone (ONNX Runtime 1.30's ReduceMax gives the six nodes' scale as (0, K))
+        assert got[0].shape == (0, cols) and got[1].shape == (0, 1), (got[0].shape, got[1].shape)
+        return
     want = ort.InferenceSession(six_node_quantization(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
     np.testing.assert_array_equal(got[1], want[1])
     np.testing.assert_array_equal(got[0], want[0])
@@ -494,8 +498,8 @@ def silu_mul_models() -> tuple[bytes, bytes]:
              helper.make_node("Mul", ["s", "u"], ["y"])]
     three = helper.make_graph(nodes, "three", *io)
     opsets = [helper.make_opsetid("", 21), helper.make_opsetid(pk.DOMAIN, 1), helper.make_opsetid("com.microsoft", 1)]
-    return (helper.make_model(op, opset_imports=opsets).SerializeToString(),
-            helper.make_model(three, opset_imports=opsets).SerializeToString())
+    return (make_model(op, opset_imports=opsets).SerializeToString(),
+            make_model(three, opset_imports=opsets).SerializeToString())
 
 
 @pytest.mark.usefixtures("cpu_path")
@@ -537,8 +541,8 @@ def scaled_silu_mul_models() -> tuple[bytes, bytes]:
     two = helper.make_graph([helper.make_node("Mul", ["x", "s"], ["xs"]),
                              helper.make_node("SiluMul", ["xs"], ["y"], domain=pk.DOMAIN)], "two", *io)
     opsets = [helper.make_opsetid("", 21), helper.make_opsetid(pk.DOMAIN, 1)]
-    return (helper.make_model(op, opset_imports=opsets).SerializeToString(),
-            helper.make_model(two, opset_imports=opsets).SerializeToString())
+    return (make_model(op, opset_imports=opsets).SerializeToString(),
+            make_model(two, opset_imports=opsets).SerializeToString())
 
 
 @pytest.mark.usefixtures("cpu_path")
@@ -602,9 +606,9 @@ def skip_norm_quantize_models(scaled: bool, epsilon: float) -> tuple[bytes, byte
                          ["n", "", "", "sum"], domain="com.microsoft", epsilon=epsilon),
         helper.make_node("QuantizeRows", ["n"], ["q", "scale"], domain=pk.DOMAIN)]
     opsets = [helper.make_opsetid("", 21), helper.make_opsetid(pk.DOMAIN, 1), helper.make_opsetid("com.microsoft", 1)]
-    return (helper.make_model(helper.make_graph([op], "fused", inputs, outputs), opset_imports=opsets)
+    return (make_model(helper.make_graph([op], "fused", inputs, outputs), opset_imports=opsets)
             .SerializeToString(),
-            helper.make_model(helper.make_graph(nodes, "three", inputs, outputs), opset_imports=opsets)
+            make_model(helper.make_graph(nodes, "three", inputs, outputs), opset_imports=opsets)
             .SerializeToString())
 
 

@@ -17,6 +17,7 @@ from conftest import DEMO_MODEL, ROOT, make_random_checkpoint, write_recipe
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
+from onnx_model import make_model
 
 from compiler.build import build, plan
 from compiler.quant import int8
@@ -68,7 +69,7 @@ def _one_linear(w: int8.Int8Weight, bias: np.ndarray | None, op: str, activation
     graph = helper.make_graph([helper.make_node("Gemm", inputs, ["y"], name="gemm", transB=1)], "g",
                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", k])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", n])], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(R.MS_DOMAIN, 1)])
+    model = make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(R.MS_DOMAIN, 1)])
     g = R.Graph(model)
     q = QuantizedWeight("w", "int8", w)
     assert R.WeightToQdq().check(g, q) is None
@@ -157,7 +158,7 @@ def test_full_weight_range_is_exact_only_with_an_int8_dot_product() -> None:
                               [helper.make_tensor_value_info("a", TensorProto.UINT8, ["T", 96]),
                                helper.make_tensor_value_info("b", TensorProto.INT8, [96, 16])],
                               [helper.make_tensor_value_info("y", TensorProto.INT32, ["T", 16])])
-    sess = ort.InferenceSession(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    sess = ort.InferenceSession(make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
                                 .SerializeToString(), providers=["CPUExecutionProvider"])
     full = rng.integers(-127, 128, (96, 16)).astype(np.int8)
     exact = a.astype(np.int64) @ full.astype(np.int64)

@@ -10,6 +10,7 @@ import onnxruntime as ort
 import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
+from onnx_model import make_model
 
 from compiler.quant import int4
 from compiler.quant import onnx_rules as R
@@ -31,7 +32,7 @@ def _gemm_model(w: np.ndarray, trans_b: int = 1, bias: bool = False, extra_use: 
         outputs.append(helper.make_tensor_value_info("wt", TensorProto.FLOAT, [None, None]))
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, K])],
                               outputs, inits)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    return make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
 
 
 def _run(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
@@ -184,7 +185,7 @@ def _kv_model(shape_const: bool = True) -> onnx.ModelProto:
     graph = helper.make_graph(nodes, "g", inputs,
                               [helper.make_tensor_value_info("past", TensorProto.FLOAT, [None, D]),
                                helper.make_tensor_value_info("new_key.0", TensorProto.FLOAT, [None, KVH, D])], inits)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    return make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
 
 
 @pytest.mark.parametrize("dtype", ["int8", "float8_e4m3fn"])
@@ -237,7 +238,7 @@ def test_fp8_activation_qdq_is_shared_by_gemms_reading_one_input_in_any_order() 
     ws = {n: rng.standard_normal((8, 16)).astype(np.float32) for n in ("b_w", "a_w")}
     nodes = [helper.make_node("Relu", ["x"], ["h"], name="relu")]
     nodes += [helper.make_node("Gemm", ["h", n], [f"y_{n}"], name=f"gemm_{n}", transB=1) for n in ws]  # b_w first
-    model = helper.make_model(helper.make_graph(
+    model = make_model(helper.make_graph(
         nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, 16])],
         [helper.make_tensor_value_info(f"y_{n}", TensorProto.FLOAT, [None, 8]) for n in ws],
         [numpy_helper.from_array(w, n) for n, w in ws.items()]), opset_imports=[helper.make_opsetid("", 21)])

@@ -13,6 +13,7 @@ import onnxruntime as ort
 import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
+from onnx_model import make_model
 
 from compiler.passes.base import BuildError
 from compiler.quant import awq, fp8, gptq, int4
@@ -21,7 +22,7 @@ from compiler.quant.calibration import read_text, select_windows
 
 def _session(nodes: list, inputs: list, outputs: list, inits: list, ms: bool = False) -> ort.InferenceSession:
     opsets = [helper.make_opsetid("", 21)] + ([helper.make_opsetid("com.microsoft", 1)] if ms else [])
-    model = helper.make_model(helper.make_graph(nodes, "g", inputs, outputs, inits), opset_imports=opsets)
+    model = make_model(helper.make_graph(nodes, "g", inputs, outputs, inits), opset_imports=opsets)
     onnx.checker.check_model(model, full_check=True)
     return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
 
@@ -129,7 +130,7 @@ def test_fp8_activation_qdq_in_onnx_runtime_matches_torch(mode: str) -> None:
     w = _weight(32, 64)
     qw = QuantizedWeight("w", "fp8", fp8.quantize_weight(w), act_mode=mode,
                          act_scale=fp8.activation_scale(3.0) if mode == "static" else None)
-    model = helper.make_model(helper.make_graph(
+    model = make_model(helper.make_graph(
         [helper.make_node("Gemm", ["x", "w"], ["y"], name="gemm", transB=1)], "g",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, 64])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, 32])],

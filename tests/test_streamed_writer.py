@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
+from onnx_model import make_model
 
 from compiler import streamed
 
@@ -36,7 +37,7 @@ def test_write_threads_compute_different_groups_at_once(tmp_path: Path) -> None:
                                   group=("test", g))
             inits.append(streamed.tensor(d, f"{g}{i}"))
     graph = helper.make_graph([], "g", [], [], initializer=inits)
-    model = helper.make_model(graph)
+    model = make_model(graph)
     try:
         written = streamed.save_model(model, tmp_path / "m.onnx", "m.onnx.data")
     finally:

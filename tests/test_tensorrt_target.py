@@ -255,6 +255,7 @@ def test_build_fails_before_any_work_naming_what_is_missing(tmp_path: Path, monk
 def _toy_graph() -> object:
     """int64 Clip + bool Equal (what our exporter emits), then float math: TensorRT-legal after legalize."""
     from onnx import TensorProto, helper
+    from onnx_model import make_model
 
     nodes = [
         helper.make_node("Clip", ["idx", "zero"], ["clamped"], name="clamp"),
@@ -271,7 +272,7 @@ def _toy_graph() -> object:
          helper.make_tensor_value_info("table", TensorProto.FLOAT, [4])],
         [helper.make_tensor_value_info("out", TensorProto.FLOAT, [5])],
         [helper.make_tensor("zero", TensorProto.INT64, [], [0]), helper.make_tensor("one", TensorProto.INT64, [], [1])])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    return make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
 
 
 def test_legalize_rewrites_what_tensorrt_cannot_read_exactly() -> None:
@@ -296,6 +297,7 @@ def test_legalize_rewrites_what_tensorrt_cannot_read_exactly() -> None:
 
 def test_contrib_ops_and_asymmetric_int4_are_reported() -> None:
     from onnx import TensorProto, helper
+    from onnx_model import make_model
 
     from compiler.trt import has_qdq, unsupported_nodes
 
@@ -306,7 +308,7 @@ def test_contrib_ops_and_asymmetric_int4_are_reported() -> None:
                               [helper.make_tensor("w", TensorProto.UINT4, [4, 4], [1] * 16),
                                helper.make_tensor("s", TensorProto.FLOAT, [1, 4], [1.0] * 4),
                                helper.make_tensor("zp", TensorProto.UINT4, [1, 4], [8] * 4)])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    model = make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
     found = {p["node"]: p["reason"] for p in unsupported_nodes(model)}
     assert found["dq"].startswith("DequantizeLinear on uint4 (TensorRT takes")
     assert found["mmnb"].startswith("com.microsoft.MatMulNBits is not a standard ONNX op")
