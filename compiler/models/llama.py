@@ -248,10 +248,13 @@ class Attention(nn.Module):
             scores = torch.tanh(scores / self.softcap) * self.softcap
         scores = scores + ctx.bias(self.window)  # [T, kvh, g, Lp + T]
         probs = torch.softmax(scores.to(torch.float32), dim=-1).to(q.dtype)
+        # The new keys' share regrouped per KV head before it is cut from the past's: torch 2.11's export cannot
+        # prove the guard min(T, gT) == T that reshaping the cut [T, kvh, g, T] slice needs.
         lp = kp.shape[2]
-        p_new = probs[..., lp:].permute(1, 0, 2, 3).reshape(self.kvh, t * group, t)
+        p_past = probs[..., :lp]
+        p_new = probs.permute(1, 0, 2, 3).reshape(self.kvh, t * group, lp + t)[..., lp:]
         out_new = torch.matmul(p_new, v.permute(1, 0, 2)).view(self.kvh, t, group, self.d).permute(1, 0, 2, 3)
-        out = torch.matmul(probs[..., :lp], vp) + out_new  # [T, kvh, g, d]
+        out = torch.matmul(p_past, vp) + out_new  # [T, kvh, g, d]
         return self.o_proj(out.reshape(t, self.h * self.d)), k, v
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
