@@ -85,10 +85,30 @@ def save_program(exported: Any, path: Path, deferred: dict[int, Deferred]) -> in
                                     WEIGHTS_CONFIG_FILENAME_FORMAT.format(MODEL_NAME))
         constants = pkg._package_constants(MODEL_NAME, exported, archive)
         pkg._package_payload_config(archive, constants, CONSTANTS_CONFIG_FILENAME_FORMAT.format(MODEL_NAME))
-        artifact = serialize(exported, None, serialize_state_dict=False, serialize_constants=False)
+        artifact = _program_only(serialize, exported)
         archive.write_bytes(MODELS_FILENAME_FORMAT.format(MODEL_NAME), artifact.exported_program)
         archive.write_bytes(SAMPLE_INPUTS_FILENAME_FORMAT.format(MODEL_NAME), artifact.example_inputs)
     return written
+
+
+def _program_only(serialize: Any, exported: Any) -> Any:
+    """serialize()'s program JSON and sample inputs without pickling the weights and constants into bytes (the
+    archive holds neither: they are its raw records). Where serialize() has no switch for that (torch 2.11 has
+    none, 2.13 has), it pickles both, which would read every deferred tensor and hold a second copy of the model; there the pickler
+    it calls is stood in for, for dicts (the state dict and the constants; the sample inputs are a tuple), by
+    one that writes nothing."""
+    import inspect
+
+    if "serialize_state_dict" in inspect.signature(serialize).parameters:
+        return serialize(exported, None, serialize_state_dict=False, serialize_constants=False)
+    from torch._export.serde import serialize as serde
+
+    pickle = serde.serialize_torch_artifact
+    serde.serialize_torch_artifact = lambda obj, *a, **k: b"" if isinstance(obj, dict) else pickle(obj, *a, **k)
+    try:
+        return serialize(exported, None)
+    finally:
+        serde.serialize_torch_artifact = pickle
 
 
 def _write_deferred(archive: Any, name: str, tensor: Any, source: Deferred) -> None:
