@@ -14,7 +14,9 @@ torch, onnx and ONNX Runtime imported, measured on the build machine kind.
 from __future__ import annotations
 
 import ctypes
+import functools
 import gc
+import importlib.util
 import logging
 import math
 import os
@@ -43,6 +45,24 @@ TORCH_OVERHEAD = 425 * MIB
 ONNX_OVERHEAD = 100 * MIB
 ORT_OVERHEAD = 50 * MIB
 FIXED_OVERHEAD = START_OVERHEAD + TORCH_OVERHEAD + ONNX_OVERHEAD + ORT_OVERHEAD
+# a CUDA build of torch maps its CUDA libraries (cuBLAS, cuDNN, ...) when imported, with no GPU in use: importing
+# torch 2.11+cu130 reaches 485 MiB resident against 219 MiB for 2.13+cpu
+TORCH_CUDA_OVERHEAD = 270 * MIB
+
+
+@functools.cache
+def torch_overhead() -> int:
+    """TORCH_OVERHEAD, plus TORCH_CUDA_OVERHEAD where the installed torch is a CUDA build (it ships
+    libtorch_cuda.so); found from the package's files, without importing torch."""
+    spec = importlib.util.find_spec("torch")
+    places = list(spec.submodule_search_locations or []) if spec is not None else []
+    cuda = any(Path(p, "lib", "libtorch_cuda.so").is_file() for p in places)
+    return TORCH_OVERHEAD + (TORCH_CUDA_OVERHEAD if cuda else 0)
+
+
+def fixed_overhead() -> int:
+    """The imports' resident set with this machine's torch (FIXED_OVERHEAD with a CPU build)."""
+    return FIXED_OVERHEAD - TORCH_OVERHEAD + torch_overhead()
 # streamed builds (measured at 100M-1B): package's work per tensor, in units of the largest tensor in float32
 # (its session check of the written file runs without prepacking: the weights stay memory-mapped, untouched)
 STREAM_WORK = 3
@@ -333,7 +353,7 @@ def estimate_pass_peaks(recipe: Recipe, info: CheckpointInfo, passes: list[Any],
     out: dict[str, int] = {}
     for ps in passes:
         if ps.name == "capture":
-            resident += TORCH_OVERHEAD + (0 if streamed else weights)
+            resident += torch_overhead() + (0 if streamed else weights)
         elif ps.name == "quantize_gptq" and streamed:  # one layer at a time, its codes spilled to disk
             out[ps.name] = resident + gptq_streamed_bytes(recipe, info, ps.config)
             continue

@@ -27,7 +27,7 @@ from bench.build_scale import write_recipe as write_scale_recipe
 from compiler.build import BuildError, build, plan
 from compiler.checkpoint import CheckpointError, inspect_checkpoint, lazy_weights
 from compiler.disk import check_disk, needed_bytes
-from compiler.memory import FIXED_OVERHEAD, check_memory
+from compiler.memory import check_memory, fixed_overhead
 
 CLI = [sys.executable, "-m", "compiler.cli"]
 
@@ -94,6 +94,29 @@ def test_truncated_shard_is_named_with_its_tensor(small_llama: Path, tmp_path: P
     shard.write_bytes(len(raw).to_bytes(8, "little") + raw + data[8 + int.from_bytes(data[:8], "little"):])
     with pytest.raises(CheckpointError, match=rf"{shard}.*{last}.*corrupt header"):
         inspect_checkpoint(ckpt)
+
+
+def test_a_cuda_build_of_torch_counts_its_libraries_in_the_fixed_overhead(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A torch that ships libtorch_cuda.so maps the CUDA libraries at import: its overhead is the CPU build's
+    plus TORCH_CUDA_OVERHEAD (also in fixed_overhead()); a CPU build's is TORCH_OVERHEAD."""
+    from types import SimpleNamespace
+
+    from compiler import memory
+
+    (tmp_path / "torch" / "lib").mkdir(parents=True)
+    spec = SimpleNamespace(submodule_search_locations=[str(tmp_path / "torch")])
+    monkeypatch.setattr(memory.importlib.util, "find_spec", lambda name: spec if name == "torch" else None)
+    try:
+        memory.torch_overhead.cache_clear()
+        assert memory.torch_overhead() == memory.TORCH_OVERHEAD
+        assert memory.fixed_overhead() == memory.FIXED_OVERHEAD
+        (tmp_path / "torch" / "lib" / "libtorch_cuda.so").write_bytes(b"")
+        memory.torch_overhead.cache_clear()
+        assert memory.torch_overhead() == memory.TORCH_OVERHEAD + memory.TORCH_CUDA_OVERHEAD
+        assert memory.fixed_overhead() == memory.FIXED_OVERHEAD + memory.TORCH_CUDA_OVERHEAD
+    finally:
+        memory.torch_overhead.cache_clear()
 
 
 def test_build_refuses_when_the_estimate_exceeds_mem_available(small_llama: Path, tmp_path: Path,
@@ -216,7 +239,7 @@ def measured_streamed_build(tmp_path: Path, ckpt: Path, size: str, limit: int, m
     artifact = tmp_path / "artifacts" / name / "1.0.0"
     edges, _model = _fp32_bytes(SHAPES[size])
     onnx_data = artifact / "model.onnx.data"
-    ceiling = FIXED_OVERHEAD + 1.5 * edges + (onnx_data.stat().st_size if onnx_data.is_file() else 0)
+    ceiling = fixed_overhead() + 1.5 * edges + (onnx_data.stat().st_size if onnx_data.is_file() else 0)
     if method == "gptq":
         ceiling += 4 * SHAPES[size]["intermediate_size"] ** 2 * 8
     assert peak <= ceiling, f"peak {peak / 2**20:.0f} MiB > ceiling {ceiling / 2**20:.0f} MiB"
@@ -371,7 +394,7 @@ def test_streamed_int4_build_stays_under_one_layer_ceiling(small_llama: Path, tm
     (test_int4_rtn_build_of_a_100m_llama_stays_under_its_memory_ceiling)."""
     _peak, _estimate, ceiling, _artifact = measured_streamed_build(tmp_path, small_llama, "25m", 4 << 30)
     _edges, model = _fp32_bytes(SHAPES["25m"])
-    assert ceiling < FIXED_OVERHEAD + 3.5 * model  # the ceiling is below what a loaded build holds
+    assert ceiling < fixed_overhead() + 3.5 * model  # the ceiling is below what a loaded build holds
 
 
 def test_streamed_gptq_build_holds_one_layer_at_a_time(small_llama: Path, tmp_path: Path) -> None:
@@ -401,7 +424,7 @@ def test_streamed_torch_target_build_stays_under_one_layer_ceiling(small_llama: 
     _peak, _estimate, ceiling, artifact = measured_streamed_build(tmp_path, small_llama, "25m", 4 << 30,
                                                                   method=method, target=target)
     _edges, model = _fp32_bytes(SHAPES["25m"])
-    assert ceiling < FIXED_OVERHEAD + 3.5 * model
+    assert ceiling < fixed_overhead() + 3.5 * model
     info = json.loads((artifact / "build.json").read_text())
     assert info["weights"] == "streamed"
     # the passes before package hold the imports and (GPTQ) one layer, nothing that grows with the model: each
@@ -423,7 +446,7 @@ def streamed_25m_build(tmp_path: Path, ckpt: Path, method: str) -> tuple[dict[st
     artifact)."""
     _peak, _estimate, ceiling, artifact = measured_streamed_build(tmp_path, ckpt, "25m", 4 << 30, method=method)
     _edges, model = _fp32_bytes(SHAPES["25m"])
-    assert ceiling < FIXED_OVERHEAD + 3.5 * model
+    assert ceiling < fixed_overhead() + 3.5 * model
     info = json.loads((artifact / "build.json").read_text())
     assert info["weights"] == "streamed"
     return info, artifact
