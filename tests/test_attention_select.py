@@ -58,6 +58,23 @@ def test_candidates_by_target() -> None:
     assert (kind["heads"], kind["num_heads"], kind["num_kv_heads"], kind["sliding_window"]) == ("GQA", 8, 2, None)
 
 
+def test_gqa_is_refused_where_onnx_runtime_has_no_query_seqlens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An ONNX Runtime before 1.32 registers GroupQueryAttention without query_seqlens: the variant is invalid
+    with that reason (not an exporter error deep in lower_onnx); the schema is this ONNX Runtime's, less it."""
+    from types import SimpleNamespace
+
+    from compiler.attention import schema
+
+    real = schema.ort_schema("GroupQueryAttention")
+    assert "query_seqlens" in [p.name for p in real.inputs]
+    older = SimpleNamespace(inputs=[p for p in real.inputs if p.name != "query_seqlens"])
+    monkeypatch.setattr(schema, "ort_schema", lambda name, domain=schema.DOMAIN: older)
+    cfg = inspect_checkpoint(DEMO_MODEL).config
+    gqa = {c.variant: c for c in candidates(cfg, "onnxruntime", "cpu", "float32")}["gqa"]
+    assert not gqa.valid
+    assert "has no input 'query_seqlens'" in gqa.reason and "onnxruntime >= 1.32" in gqa.reason
+
+
 def _demo_ctx(tmp_path: Path) -> BuildContext:
     p = plan(DEMO_RECIPE)
     return BuildContext(recipe=p.recipe, checkpoint=p.checkpoint, staging=tmp_path)

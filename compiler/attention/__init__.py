@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from compiler.attention.schema import missing_input
 from runtime.kernels import FLASHINFER_HEAD_DIMS
 from runtime.kernels.paged_attention_cpu import KernelLibraryError, library_path
 
@@ -136,6 +137,8 @@ def candidates(cfg: Any, backend: str, device: str, dtype: str, pass_names: list
         out.append(Candidate("gqa", False, why))
     elif dtype not in _OP_DTYPES["gqa"]:
         out.append(Candidate("gqa", False, f"GroupQueryAttention takes no {dtype}"))
+    elif (why := missing_input("GroupQueryAttention", "query_seqlens")) is not None:
+        out.append(Candidate("gqa", False, f"{why} (the right-padded chunks need it: onnxruntime >= 1.32)"))
     elif quant_kv:
         out.append(Candidate("gqa", True, f"GroupQueryAttention, {dtype}, over the past dequantized after the "
                              "pool gather (quantize_kv_cache rewrites the same flat row Gather as the decomposed path)"))

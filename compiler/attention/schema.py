@@ -27,6 +27,20 @@ def ort_schema(name: str, domain: str = DOMAIN) -> Any:
     return max(found, key=lambda s: s.since_version)
 
 
+def missing_input(name: str, input_name: str, domain: str = DOMAIN) -> str | None:
+    """Why this ONNX Runtime's `domain.name` cannot take the input `input_name` (an op that gained inputs in a
+    later release), or None when its registered schema has it."""
+    import onnxruntime
+
+    try:
+        inputs = [p.name for p in ort_schema(name, domain).inputs]
+    except LookupError as e:
+        return str(e)
+    if input_name in inputs:
+        return None
+    return f"{domain}.{name} of onnxruntime {onnxruntime.__version__} has no input {input_name!r}"
+
+
 @functools.cache
 def onnx_schema(name: str, domain: str = DOMAIN) -> Any:
     """The ONNX Runtime schema as an onnx.defs.OpSchema (for onnxscript's Op)."""
