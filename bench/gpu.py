@@ -191,6 +191,12 @@ def main() -> None:
     reference = greedy(cpu_artifact, device="cpu")
     print(f"cpu reference artifact built in {cpu_s:.1f} s", flush=True)
     rows: list[dict[str, Any]] = []
+
+    def write() -> None:
+        (args.out / "gpu.json").write_text(json.dumps({
+            "host": {"machine": platform.machine(), "python": platform.python_version()}, "gpu": env,
+            "context": args.context, "steps": args.steps, "rounds": args.rounds, "rows": rows}, indent=2))
+
     for label, backend, recipe_name, dtype, kernel in TARGETS:
         if args.only and args.only not in label:
             continue
@@ -215,6 +221,7 @@ def main() -> None:
             row["error"] = f"{type(e).__name__}: {e}"
             traceback.print_exc()
         print(json.dumps(row), flush=True)
+        write()  # after every row: a run stopped at its time limit keeps what it measured
     head = ["target", "greedy =CPU", "agree", *[f"b{b} graphs/eager tok/s" for b in batches], "TTFT@512 ms"]
     print("\n| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for r in rows:
@@ -226,9 +233,6 @@ def main() -> None:
                  for b in batches]
         print(f"| {r['target']} | {r['greedy_same']} | {r['greedy_agree']} | " + " | ".join(cells)
               + f" | {r['ttft_512_ms']:.1f} |")
-    (args.out / "gpu.json").write_text(json.dumps({
-        "host": {"machine": platform.machine(), "python": platform.python_version()}, "gpu": env,
-        "context": args.context, "steps": args.steps, "rounds": args.rounds, "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":
