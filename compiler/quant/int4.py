@@ -61,7 +61,10 @@ def group_minmax(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.
     """Per (row, group) min and max over the real columns: two [out, G] tensors."""
     out, cols = w.shape
     if cols % group_size == 0:  # whole groups: a view, no padded copy or mask
-        return torch.aminmax(w.reshape(out, cols // group_size, group_size), dim=-1)
+        groups = w.reshape(out, cols // group_size, group_size)
+        if w.requires_grad:  # AWQ's fit: torch 2.11 has no derivative for aminmax (amin/amax share its formula)
+            return groups.amin(-1), groups.amax(-1)
+        return torch.aminmax(groups, dim=-1)
     wp, valid = _grouped(w, group_size)
     wmin = torch.where(valid, wp, torch.full((), float("inf"), dtype=w.dtype)).amin(-1)
     wmax = torch.where(valid, wp, torch.full((), float("-inf"), dtype=w.dtype)).amax(-1)
