@@ -17,6 +17,7 @@ torch.export.save's layout moves away from them.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 from pathlib import Path
@@ -97,8 +98,6 @@ def _program_only(serialize: Any, exported: Any) -> Any:
     none, 2.13 has), it pickles both, which would read every deferred tensor and hold a second copy of the model; there the pickler
     it calls is stood in for, for dicts (the state dict and the constants; the sample inputs are a tuple), by
     one that writes nothing."""
-    import inspect
-
     if "serialize_state_dict" in inspect.signature(serialize).parameters:
         return serialize(exported, None, serialize_state_dict=False, serialize_constants=False)
     from torch._export.serde import serialize as serde

@@ -137,7 +137,8 @@ def candidates(cfg: Any, backend: str, device: str, dtype: str, pass_names: list
         out.append(Candidate("gqa", False, why))
     elif dtype not in _OP_DTYPES["gqa"]:
         out.append(Candidate("gqa", False, f"GroupQueryAttention takes no {dtype}"))
-    elif (why := missing_input("GroupQueryAttention", "query_seqlens")) is not None:
+    elif device != "cuda" and (why := missing_input("GroupQueryAttention", "query_seqlens")) is not None:
+        # (on cuda the variant is invalid for the pools' sake, below)
         out.append(Candidate("gqa", False, f"{why} (the right-padded chunks need it: onnxruntime >= 1.32)"))
     elif quant_kv:
         out.append(Candidate("gqa", True, f"GroupQueryAttention, {dtype}, over the past dequantized after the "
