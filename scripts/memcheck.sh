@@ -27,7 +27,7 @@ set -euo pipefail
 # C code goes here.
 TESTS=(test_core_c.py test_core_reference.py test_prefix_cache.py test_sampling.py test_paged_cpu_kernel.py test_kv_events.py
        test_matmul_bf16_kernel.py)
-HELPERS=(test_core_fixtures.py cpu_paths.py)
+HELPERS=(test_core_fixtures.py cpu_paths.py onnx_model.py)
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PY=${PYTHON:-python3}

@@ -260,7 +260,10 @@ def test_int4_rtn_build_of_a_100m_llama_stays_under_its_memory_ceiling(tmp_path:
     per_pass = info["memory"]
     assert set(per_pass) >= {"pass.capture", "pass.quantize_rtn", "pass.lower_onnx", "pass.lower_quant",
                              "pass.fuse", "pass.package"}
-    assert math.isclose(max(v for k, v in per_pass.items() if k.startswith("pass.")), peak, rel_tol=0.1)
+    # the passes' sampled peaks against the process's high-water mark when the build returned (the peak sampled
+    # from outside also holds the interpreter's exit, which a CUDA build of torch raises by ~120 MiB)
+    assert math.isclose(max(v for k, v in per_pass.items() if k.startswith("pass.")), per_pass["peak_rss_bytes"],
+                        rel_tol=0.1)
     for name, est in info["estimates"]["build_peak_by_pass"].items():  # each pass, where it is large
         got = per_pass[f"pass.{name}"]
         if got > peak / 3:
