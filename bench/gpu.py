@@ -20,7 +20,9 @@ into --out; a target that cannot run here is a row with the reason.
     python bench/gpu.py [--out DIR] [--rounds 5] [--steps 50]
     python bench/gpu.py --device cpu --rounds 1 --steps 2   # the torch rows on CPU ("graphs" = the padded
                                                             # static-shape path, no capture): checks the script
-Writes DIR/gpu.json and prints the table.
+    python bench/gpu.py --shape 1b                          # a random Llama of a real shape instead (`scale`)
+    python bench/gpu.py --shape 25m --device cpu --rounds 1 --steps 2   # that mode's script check
+Writes DIR/gpu.json (with --shape, DIR/gpu-SHAPE.json) and prints the table.
 """
 
 from __future__ import annotations
@@ -57,11 +59,12 @@ TARGETS = [  # (label, backend, recipe, dtype, attention kernel forced in select
 
 
 def derived_recipe(src: Path, out: Path, dtype: str, tag: str, kernel: str | None = None,
-                   batch: int = 32, context: int = 512) -> Path:
+                   batch: int = 32, context: int = 512, checkpoint: Path | None = None) -> Path:
     """The recipe with its dtype, name and output replaced (absolute paths: it is written elsewhere);
-    with `kernel`, select_attention forced to that attention variant. The runtime is widened to hold the
-    largest timed decode batch: `batch` sequences of `context` tokens in the pool, and max_num_seqs
-    (hence the largest CUDA-graph bucket) at least `batch`."""
+    with `kernel`, select_attention forced to that attention variant; with `checkpoint`, built from that
+    checkpoint and without the quality gate (a random model has no meaningful perplexity). The runtime is
+    widened to hold the largest timed decode batch: `batch` sequences of `context` tokens in the pool, and
+    max_num_seqs (hence the largest CUDA-graph bucket) at least `batch`."""
     import yaml
 
     data = yaml.safe_load(src.read_text())
@@ -75,10 +78,10 @@ def derived_recipe(src: Path, out: Path, dtype: str, tag: str, kernel: str | Non
         for spec in data["passes"]:
             if spec["name"] == "select_attention":
                 spec["options"] = {**(spec.get("options") or {}), "kernel": kernel}
-    data["source"]["checkpoint"] = str((src.parent / data["source"]["checkpoint"]).resolve())
+    data["source"]["checkpoint"] = str(checkpoint or (src.parent / data["source"]["checkpoint"]).resolve())
     if data.get("calibration", {}).get("data"):
         data["calibration"]["data"] = str((src.parent / data["calibration"]["data"]).resolve())
-    if DEVICE == "cpu":
+    if DEVICE == "cpu" or checkpoint is not None:
         data.pop("quality", None)  # script check: no quality gate (float16 on CPU is slow)
     elif data.get("quality", {}).get("eval_data"):
         data["quality"]["eval_data"] = str((src.parent / data["quality"]["eval_data"]).resolve())
@@ -168,6 +171,98 @@ def measure(artifact: Path, rounds: int, steps: int, batches: list[int], context
     return out
 
 
+def prefill_batch(num_tokens: int, block_size: int, vocab: int, seed: int = 0) -> Any:
+    """One sequence of `num_tokens` random tokens, no past, logits at every position."""
+    from runtime.forward_batch import ForwardBatch
+
+    ids = np.random.default_rng(seed).integers(10, vocab, num_tokens).astype(np.int64)
+    blocks = -(-num_tokens // block_size)
+    return ForwardBatch(input_ids=ids, positions=np.arange(num_tokens, dtype=np.int64),
+                        cu_seqlens=np.array([0, num_tokens], np.int32), past_lens=np.zeros(1, np.int32),
+                        block_table=np.arange(blocks, dtype=np.int32)[None], slot_mapping=np.arange(num_tokens,
+                                                                                                     dtype=np.int64),
+                        logits_index=np.arange(num_tokens, dtype=np.int64))
+
+
+def reference_logits(checkpoint: Path, ids: np.ndarray, device: str) -> np.ndarray:
+    """transformers' float32 logits of `ids` at every position, on `device` (the model freed afterwards)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).to(device).eval()
+    with torch.no_grad():
+        out = model(torch.from_numpy(ids)[None].to(device)).logits[0].float().cpu().numpy()
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def scale(args: argparse.Namespace, env: dict[str, Any]) -> None:
+    """--shape: the torch/cuda target on a random Llama of a real shape (bench/build_scale.py SHAPES, e.g. 1b,
+    3b, 8b; written once into --out), float16 and bfloat16: build and load time, device memory after load
+    and at the peak of the timed decode, logits of a 128-token prefill against transformers in float32 on
+    the same device (max abs error over the reference's standard deviation, and how often the argmax agrees:
+    random weights give small margins, so this is a number to watch, not a bound), decode tokens/s with and
+    without CUDA graphs, TTFT@512."""
+    import torch
+
+    from bench.build_scale import write_random_llama
+    from runtime.engine import LLMEngine
+
+    device = DEVICE or "cuda"
+    ckpt = write_random_llama(args.out / f"ckpt-{args.shape}", args.shape)
+    batches = [1, 8, 32]
+    rows: list[dict[str, Any]] = []
+    fb = None
+    reference = None
+    for dtype in ("float16", "bfloat16"):
+        row: dict[str, Any] = {"target": f"torch/{device} {args.shape} {dtype}"}
+        rows.append(row)
+        try:
+            artifact, row["build_s"] = build(derived_recipe(ROOT / "recipes" / "demo-torch-cuda.yaml", args.out,
+                                                            dtype, f"{args.shape}-{dtype}", None, max(batches),
+                                                            args.context, checkpoint=ckpt))
+            if device == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            t = time.perf_counter()
+            engine = LLMEngine(artifact, device=DEVICE)
+            row["load_s"] = round(time.perf_counter() - t, 1)
+            if device == "cuda":
+                row["device_gib_loaded"] = round(torch.cuda.memory_allocated() / 2**30, 2)
+            backend = engine.backend
+            if fb is None:
+                vocab = json.loads((ckpt / "config.json").read_text())["vocab_size"]
+                fb = prefill_batch(128, backend.block_size, vocab)
+                reference = reference_logits(ckpt, fb.input_ids, device)
+            got = np.asarray(backend.forward(fb), dtype=np.float32)
+            row["logits_err_over_std"] = round(float(np.abs(got - reference).max() / reference.std()), 4)
+            row["argmax_agree"] = round(float((got.argmax(-1) == reference.argmax(-1)).mean()), 4)
+            del engine, backend
+            row.update(measure(artifact, args.rounds, args.steps, batches, args.context))
+            if device == "cuda":
+                row["device_gib_peak"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        except Exception as e:  # one dtype failing must not hide the other
+            row["error"] = f"{type(e).__name__}: {e}"
+            traceback.print_exc()
+        print(json.dumps(row), flush=True)
+        (args.out / f"gpu-{args.shape}.json").write_text(json.dumps({
+            "host": {"machine": platform.machine(), "python": platform.python_version()}, "gpu": env,
+            "shape": args.shape, "context": args.context, "steps": args.steps, "rounds": args.rounds, "rows": rows},
+            indent=2))
+    head = ["target", "build s", "load s", "logits err/std", "argmax =", *[f"b{b} graphs/eager tok/s" for b in batches],
+            "TTFT@512 ms", "GiB loaded/peak"]
+    print("\n| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['target']} | error: {r['error']} |")
+            continue
+        cells = [f"{r['auto_b' + str(b)]:.0f} / {r['off_b' + str(b)]:.0f}" for b in batches]
+        print(f"| {r['target']} | {r['build_s']:.1f} | {r['load_s']} | {r['logits_err_over_std']} | {r['argmax_agree']} | "
+              + " | ".join(cells) + f" | {r['ttft_512_ms']:.1f} | {r.get('device_gib_loaded', '-')} / "
+              f"{r.get('device_gib_peak', '-')} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "gpu")
@@ -176,6 +271,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--device", choices=["cpu"], default=None, help="run the torch targets on CPU (script check)")
     ap.add_argument("--only", default=None, help="run only the rows whose label contains this text")
+    ap.add_argument("--shape", default=None, help="instead of the demo: the torch/cuda target on a random Llama of "
+                    "this shape (bench/build_scale.py SHAPES: 1b, 3b, 8b, ...)")
     args = ap.parse_args()
     global DEVICE
     DEVICE = args.device
@@ -184,6 +281,12 @@ def main() -> None:
 
     env = describe()
     print(f"GPU: {env['devices'] or env['driver']}; packages: {env['packages']}", flush=True)
+    if args.shape:
+        problem = None if DEVICE == "cpu" else missing_for("torch")
+        if problem is not None:
+            raise SystemExit(f"--shape {args.shape}: {problem}")
+        scale(args, env)
+        return
     batches = [1, 8, 32]
     cpu_recipe = derived_recipe(ROOT / "recipes" / "demo.yaml", args.out, "float32", "cpu",
                                 batch=max(batches), context=args.context)
