@@ -200,7 +200,7 @@ def reference_logits(checkpoint: Path, ids: np.ndarray, device: str) -> np.ndarr
 
 def scale(args: argparse.Namespace, env: dict[str, Any]) -> None:
     """--shape: the torch/cuda target on a random Llama of a real shape (bench/build_scale.py SHAPES, e.g. 1b,
-    3b, 8b; written once into --out), float16 and bfloat16: build and load time, device memory after load
+    3b, 8b; written once into --out), in each of --dtypes: build and load time, device memory after load
     and at the peak of the timed decode, logits of a 128-token prefill against transformers in float32 on
     the same device (max abs error over the reference's standard deviation, and how often the argmax agrees:
     random weights give small margins, so this is a number to watch, not a bound), decode tokens/s with and
@@ -216,7 +216,7 @@ def scale(args: argparse.Namespace, env: dict[str, Any]) -> None:
     rows: list[dict[str, Any]] = []
     fb = None
     reference = None
-    for dtype in ("float16", "bfloat16"):
+    for dtype in args.dtypes.split(","):
         row: dict[str, Any] = {"target": f"torch/{device} {args.shape} {dtype}"}
         rows.append(row)
         try:
@@ -273,6 +273,7 @@ def main() -> None:
     ap.add_argument("--only", default=None, help="run only the rows whose label contains this text")
     ap.add_argument("--shape", default=None, help="instead of the demo: the torch/cuda target on a random Llama of "
                     "this shape (bench/build_scale.py SHAPES: 1b, 3b, 8b, ...)")
+    ap.add_argument("--dtypes", default="float16,bfloat16", help="with --shape: the target dtypes, comma-separated")
     args = ap.parse_args()
     global DEVICE
     DEVICE = args.device
@@ -325,6 +326,7 @@ def main() -> None:
             traceback.print_exc()
         print(json.dumps(row), flush=True)
         write()  # after every row: a run stopped at its time limit keeps what it measured
+    write()
     head = ["target", "greedy =CPU", "agree", *[f"b{b} graphs/eager tok/s" for b in batches], "TTFT@512 ms"]
     print("\n| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for r in rows:
