@@ -75,6 +75,26 @@ def test_gqa_is_refused_where_onnx_runtime_has_no_query_seqlens(monkeypatch: pyt
     assert "has no input 'query_seqlens'" in gqa.reason and "onnxruntime >= 1.32" in gqa.reason
 
 
+def test_paged_attention_is_refused_where_onnx_runtime_registers_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ONNX Runtime 1.20 registers no com.microsoft.PagedAttention: the variant is invalid with that reason, and
+    nothing else needs the schema (the lowering looks it up only when it lowers to the op)."""
+    from compiler.attention import schema
+
+    real = schema.ort_schema
+
+    def without_paged(name: str, domain: str = schema.DOMAIN) -> object:
+        if name == "PagedAttention":
+            raise LookupError(f"ONNX Runtime registers no schema {domain}.{name}")
+        return real(name, domain)
+
+    monkeypatch.setattr(schema, "ort_schema", without_paged)
+    cfg = inspect_checkpoint(DEMO_MODEL).config
+    cuda = {c.variant: c for c in candidates(cfg, "onnxruntime", "cuda", "float16")}
+    assert not cuda["paged_attention"].valid
+    assert cuda["paged_attention"].reason == "ONNX Runtime registers no schema com.microsoft.PagedAttention"
+    assert {c.variant: c for c in candidates(cfg, "onnxruntime", "cpu", "float32")}["paged_cpu"].valid
+
+
 def _demo_ctx(tmp_path: Path) -> BuildContext:
     p = plan(DEMO_RECIPE)
     return BuildContext(recipe=p.recipe, checkpoint=p.checkpoint, staging=tmp_path)

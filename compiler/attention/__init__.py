@@ -153,6 +153,8 @@ def candidates(cfg: Any, backend: str, device: str, dtype: str, pass_names: list
         out.append(Candidate("paged_attention", False, "CUDA only (ONNX Runtime has no CPU kernel for PagedAttention)"))
     elif dtype not in _OP_DTYPES["paged_attention"]:
         out.append(Candidate("paged_attention", False, f"PagedAttention takes float16/bfloat16, not {dtype}"))
+    elif (why := missing_input("PagedAttention", "block_table")) is not None:
+        out.append(Candidate("paged_attention", False, why))
     elif quant_kv:
         out.append(Candidate("paged_attention", False, "quantized KV cache: per-head scales are not expressible as "
                              "PagedAttention's k_scale/v_scale without a new lowering"))

@@ -31,6 +31,7 @@ past one; see compiler/attention/__init__.py).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from onnxscript import opset21 as op
@@ -40,8 +41,14 @@ from compiler.attention.schema import onnx_schema
 from runtime.kernels.paged_attention_cpu import DOMAIN, OP_TYPE
 
 _MSFT = Opset("com.microsoft", 1)
-# ONNX itself has no schema for the contrib ops: ONNX Runtime's registered one (schema.py) stands in.
-GroupQueryAttention = Op(_MSFT, "GroupQueryAttention", onnx_schema("GroupQueryAttention"))
+
+
+@functools.cache
+def contrib_op(name: str) -> Any:
+    """The com.microsoft op for onnxscript: ONNX itself has no schema for the contrib ops, so ONNX Runtime's
+    registered one (schema.py) stands in. Looked up when a variant lowers to it (an older ONNX Runtime lacks
+    some: candidates() says which)."""
+    return Op(_MSFT, name, onnx_schema(name))
 
 
 def optimize_schema() -> Any:
@@ -67,7 +74,6 @@ def optimize_schema() -> Any:
 
 
 OptimizePagedAttention = Op(Opset("optimize", 1), "PagedAttention", optimize_schema())
-PagedAttention = Op(_MSFT, "PagedAttention", onnx_schema("PagedAttention"))
 _INT32, _INT64 = 6, 7
 
 
@@ -116,7 +122,7 @@ def gqa_translation(q: Any, k: Any, v: Any, k_cache: Any, v_cache: Any, cu_seqle
     seqlens_k = op.Cast(op.Sub(op.Add(op.Cast(past_lens, to=_INT64), new_lens), _c(1)), to=_INT32)
     total = op.Cast(op.Add(op.Squeeze(lp, _c1(0)), s_max), to=_INT32)
     query_seqlens = op.Cast(new_lens, to=_INT32)
-    results = GroupQueryAttention(
+    results = contrib_op("GroupQueryAttention")(
         qp, kp, vp, past_k, past_v, seqlens_k, total,
         None, None, None, None, None, None, None, None, None,  # cos, sin, position_ids, bias, sink, scales, q/k norm
         query_seqlens,
@@ -135,7 +141,7 @@ def gqa_translation(q: Any, k: Any, v: Any, k_cache: Any, v_cache: Any, cu_seqle
 def paged_attention_translation(q: Any, k: Any, v: Any, k_cache: Any, v_cache: Any, cu_seqlens: Any,
                                 past_lens: Any, block_table: Any, num_heads: int, kv_heads: int, head_dim: int,
                                 block_size: int, window: int, scale: float) -> Any:
-    results = PagedAttention(
+    results = contrib_op("PagedAttention")(
         q, k, v, k_cache, v_cache, cu_seqlens, past_lens, block_table,
         num_heads=num_heads, kv_num_heads=kv_heads, local_window_size=window if window > 0 else -1,
         scale=scale, _outputs=1,
