@@ -63,6 +63,8 @@ def torch_overhead() -> int:
 def fixed_overhead() -> int:
     """The imports' resident set with this machine's torch (FIXED_OVERHEAD with a CPU build)."""
     return FIXED_OVERHEAD - TORCH_OVERHEAD + torch_overhead()
+
+
 # streamed builds (measured at 100M-1B): package's work per tensor, in units of the largest tensor in float32
 # (its session check of the written file runs without prepacking: the weights stay memory-mapped, untouched)
 STREAM_WORK = 3

@@ -95,9 +95,9 @@ def save_program(exported: Any, path: Path, deferred: dict[int, Deferred]) -> in
 def _program_only(serialize: Any, exported: Any) -> Any:
     """serialize()'s program JSON and sample inputs without pickling the weights and constants into bytes (the
     archive holds neither: they are its raw records). Where serialize() has no switch for that (torch 2.11 has
-    none, 2.13 has), it pickles both, which would read every deferred tensor and hold a second copy of the model; there the pickler
-    it calls is stood in for, for dicts (the state dict and the constants; the sample inputs are a tuple), by
-    one that writes nothing."""
+    none, 2.13 has), it pickles both, which would read every deferred tensor and hold a second copy of the
+    model; there the pickler it calls is stood in for, for dicts (the state dict and the constants; the sample
+    inputs are a tuple), by one that writes nothing."""
     if "serialize_state_dict" in inspect.signature(serialize).parameters:
         return serialize(exported, None, serialize_state_dict=False, serialize_constants=False)
     from torch._export.serde import serialize as serde
