@@ -41,6 +41,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench.report import write_json  # noqa: E402
 
 PROMPTS = ["def fibonacci(n):\n    if", "import os\nimport sys\n\n", "class Stack:\n    def __init__(self):\n",
            "for i in range(10):\n    print(", "    try:\n        return self.", "def main():\n    parser = ",
@@ -151,12 +152,19 @@ def ttft_ms(artifact: Path, rounds: int) -> float:
     return statistics.median(times[1:])
 
 
-def measure(artifact: Path, rounds: int, steps: int, batches: list[int], context: int) -> dict[str, Any]:
+def graphs_mode() -> str:
+    """The engine's graph mode for the "graphs" columns: CUDA graphs, or on CPU the padded static-shape path."""
+    return "padded" if DEVICE == "cpu" else "auto"
+
+
+def measure(artifact: Path, rounds: int, steps: int, batches: list[int], context: int,
+            graphs: Any = None) -> dict[str, Any]:
+    """Decode tokens/s per batch with graphs ("auto_bN") and eagerly ("off_bN"), TTFT@512; `graphs`: an engine of
+    the artifact already loaded in graphs_mode(), used instead of loading another."""
     from runtime.engine import LLMEngine
 
-    on = "padded" if DEVICE == "cpu" else "auto"
-    engines = {mode: LLMEngine(artifact, graphs=on if mode == "auto" else "off", device=DEVICE)
-               for mode in ("auto", "off")}
+    engines = {"auto": graphs or LLMEngine(artifact, graphs=graphs_mode(), device=DEVICE),
+               "off": LLMEngine(artifact, graphs="off", device=DEVICE)}
     graph_mode = getattr(engines["auto"].backend, "graph_mode", "off")
     samples: dict[str, list[float]] = {}
     fbs = {b: decode_batch(engines["auto"].backend, b, context) for b in batches}
@@ -169,6 +177,12 @@ def measure(artifact: Path, rounds: int, steps: int, batches: list[int], context
     out["graph_mode"] = graph_mode
     out["ttft_512_ms"] = ttft_ms(artifact, rounds)
     return out
+
+
+def record(args: argparse.Namespace, env: dict[str, Any], rows: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    """The JSON of a run: host, GPU, settings, rows so far."""
+    return {"host": {"machine": platform.machine(), "python": platform.python_version()}, "gpu": env, **extra,
+            "context": args.context, "steps": args.steps, "rounds": args.rounds, "rows": rows}
 
 
 def prefill_batch(num_tokens: int, block_size: int, vocab: int, seed: int = 0) -> Any:
@@ -226,7 +240,7 @@ def scale(args: argparse.Namespace, env: dict[str, Any]) -> None:
             if device == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             t = time.perf_counter()
-            engine = LLMEngine(artifact, device=DEVICE)
+            engine = LLMEngine(artifact, graphs=graphs_mode(), device=DEVICE)
             row["load_s"] = round(time.perf_counter() - t, 1)
             if device == "cuda":
                 row["device_gib_loaded"] = round(torch.cuda.memory_allocated() / 2**30, 2)
@@ -238,18 +252,16 @@ def scale(args: argparse.Namespace, env: dict[str, Any]) -> None:
             got = np.asarray(backend.forward(fb), dtype=np.float32)
             row["logits_err_over_std"] = round(float(np.abs(got - reference).max() / reference.std()), 4)
             row["argmax_agree"] = round(float((got.argmax(-1) == reference.argmax(-1)).mean()), 4)
-            del engine, backend
-            row.update(measure(artifact, args.rounds, args.steps, batches, args.context))
+            del backend
+            row.update(measure(artifact, args.rounds, args.steps, batches, args.context, graphs=engine))
+            del engine
             if device == "cuda":
                 row["device_gib_peak"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         except Exception as e:  # one dtype failing must not hide the other
             row["error"] = f"{type(e).__name__}: {e}"
             traceback.print_exc()
         print(json.dumps(row), flush=True)
-        (args.out / f"gpu-{args.shape}.json").write_text(json.dumps({
-            "host": {"machine": platform.machine(), "python": platform.python_version()}, "gpu": env,
-            "shape": args.shape, "context": args.context, "steps": args.steps, "rounds": args.rounds, "rows": rows},
-            indent=2))
+        write_json(args.out / f"gpu-{args.shape}.json", record(args, env, rows, shape=args.shape))
     head = ["target", "build s", "load s", "logits err/std", "argmax =", *[f"b{b} graphs/eager tok/s" for b in batches],
             "TTFT@512 ms", "GiB loaded/peak"]
     print("\n| " + " | ".join(head) + " |\n|" + "---|" * len(head))
@@ -297,9 +309,7 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
 
     def write() -> None:
-        (args.out / "gpu.json").write_text(json.dumps({
-            "host": {"machine": platform.machine(), "python": platform.python_version()}, "gpu": env,
-            "context": args.context, "steps": args.steps, "rounds": args.rounds, "rows": rows}, indent=2))
+        write_json(args.out / "gpu.json", record(args, env, rows))
 
     for label, backend, recipe_name, dtype, kernel in TARGETS:
         if args.only and args.only not in label:
