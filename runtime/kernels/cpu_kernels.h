@@ -22,6 +22,11 @@
 
 #define NR 8 /* query rows per score pass of the decode path (independent accumulators) */
 #define LANES_MIN 16 /* an attention work item of at least this many query rows takes the lanes path */
+/* query rows (tokens x group heads) per attention work item, at most: a whole number of every code path's
+ * lanes passes (LANE_RG x VL rows: 48 on AVX-512, 24 on AVX2, 8 on SSE2; cpu_kernels_impl.h checks), so no
+ * item of a long prefill ends in a pass of one register of rows, which reads every key for a third of the
+ * work (64 rows did so on AVX-512: 48 + 16) */
+#define ROWS_TARGET 48
 #define BF_PANEL 16 /* MatMulBf16's packed weight: panels of 16 columns (compiler/fusion/matmul_bf16.py) */
 #define BF_MC 64 /* MatMulBf16: rows per work item */
 

@@ -111,6 +111,7 @@ static inline vf vadd(vf a, vf b) { return a + b; }
 #else
 #error "VL must be 16, 8 or 4"
 #endif
+_Static_assert(ROWS_TARGET % (LANE_RG * VL) == 0, "an attention work item is whole lanes passes");
 
 #define UNPAREN(...) __VA_ARGS__
 /* one level of the tree: a[i] = the pairwise sums of a[2i] and a[2i + 1] (in place, ascending) */

@@ -45,7 +45,6 @@
 
 #include "paged_attention.h"
 
-#define ROWS_TARGET 64 /* query rows (tokens x group heads) per work item, at most */
 /* multiply-adds below which a step runs without the thread pool: a batch-1 decode step over the KV heads on
  * 2 threads beats inline from ~10 tokens of context on (docs/architecture.md, "paged attention") */
 #define INLINE_WORK (1 << 13)
