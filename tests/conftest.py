@@ -13,6 +13,33 @@ DEMO_MODEL = ROOT / "models" / "pycode-llama-6m"
 DEMO_RECIPE = ROOT / "recipes" / "demo.yaml"
 
 
+def _ort_lacks() -> dict[str, str | None]:
+    """Why the installed ONNX Runtime release cannot run a feature that a later release added (None: it
+    can): the FP8 features runtime/ort_releases.py lists, and the contrib-op inputs/schemas the build checks."""
+    from compiler.attention.schema import missing_input
+    from runtime import ort_releases
+
+    return {"fp8_activations": ort_releases.missing(ort_releases.FP8_ACTIVATIONS_CPU),
+            "fp8_kv_cache": ort_releases.missing(ort_releases.FP8_KV_CACHE),
+            "gqa": missing_input("GroupQueryAttention", "query_seqlens"),
+            "paged_attention": missing_input("PagedAttention", "block_table"),
+            # not refused by the build: plan_cuda_graphs then checks the buckets by taint analysis only, saying so
+            "int4_cast": None if ort_releases.release(ort_releases.installed()) >= (1, 23) else
+            f"onnxruntime {ort_releases.installed()} has no CPU kernel for Cast of opset 21 (1.23 has), so "
+            "plan_cuda_graphs cannot run a streamed signed-INT4 graph's buckets"}
+
+
+ORT_LACKS = _ort_lacks()
+
+
+def needs_ort(feature: str) -> pytest.MarkDecorator:
+    """Skip where the installed ONNX Runtime is a release older than the feature (pyproject's floor is 1.20;
+    the build refuses the feature there with the reason, which tests/test_ort_releases.py checks). CI installs
+    the newest release, where nothing is skipped."""
+    why = ORT_LACKS[feature]
+    return pytest.mark.skipif(why is not None, reason=f"onnxruntime release: {why}")
+
+
 @pytest.fixture(autouse=True)
 def _torch_threads_restored() -> object:
     """torch's intra-op thread count is process-wide: a test that loads a torch artifact with threads=1

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import DEMO_MODEL, DEMO_RECIPE, make_random_checkpoint, write_recipe
+from conftest import DEMO_MODEL, DEMO_RECIPE, make_random_checkpoint, needs_ort, write_recipe
 
 from compiler.attention import attention_kind, candidates
 from compiler.build import build, plan
@@ -33,6 +33,7 @@ SELECT = "  - name: select_attention\n    options: {opts}\n  - name: capture\n  
 # -- candidates and the pass on the demo (no build) --------------------------------------------------
 
 
+@needs_ort("gqa")
 def test_candidates_by_target() -> None:
     cfg = inspect_checkpoint(DEMO_MODEL).config
     cpu = {c.variant: c for c in candidates(cfg, "onnxruntime", "cpu", "float32")}
@@ -58,6 +59,7 @@ def test_candidates_by_target() -> None:
     assert (kind["heads"], kind["num_heads"], kind["num_kv_heads"], kind["sliding_window"]) == ("GQA", 8, 2, None)
 
 
+@needs_ort("gqa")
 def test_gqa_is_refused_where_onnx_runtime_has_no_query_seqlens(monkeypatch: pytest.MonkeyPatch) -> None:
     """An ONNX Runtime before 1.32 registers GroupQueryAttention without query_seqlens: the variant is invalid
     with that reason (not an exporter error deep in lower_onnx); the schema is this ONNX Runtime's, less it."""
@@ -100,6 +102,7 @@ def _demo_ctx(tmp_path: Path) -> BuildContext:
     return BuildContext(recipe=p.recipe, checkpoint=p.checkpoint, staging=tmp_path)
 
 
+@needs_ort("gqa")
 def test_demo_stats_rule(tmp_path: Path) -> None:
     ctx = _demo_ctx(tmp_path)
     stats = SelectAttentionPass(SelectAttentionOptions(autotune=False)).run(ctx)
@@ -117,6 +120,7 @@ def test_demo_stats_rule(tmp_path: Path) -> None:
     assert stats["reason"] == "rule" and "attention_autotune" not in ctx.build_info
 
 
+@needs_ort("gqa")
 def test_forced_kernels(tmp_path: Path) -> None:
     ctx = _demo_ctx(tmp_path)
     stats = SelectAttentionPass(SelectAttentionOptions(kernel="gqa")).run(ctx)
@@ -153,6 +157,7 @@ def _onnx_session(proto):  # noqa: ANN001, ANN202
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=[pytest.mark.slow] if c in SLOW_GRAPH_CASES else [])
                                   for c in GRAPH_CASES], ids=list(GRAPH_CASES))
+@needs_ort("gqa")
 def test_gqa_graph_matches_decomposed(case: str, tmp_path: Path) -> None:
     from compiler.attention.autotune import _mixed_batch
     from compiler.export import export_forward_batch, graph_io_names, lower_exported
@@ -194,6 +199,7 @@ def test_gqa_graph_matches_decomposed(case: str, tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("arch,over", [("LlamaForCausalLM", {}), ("MistralForCausalLM", {"sliding_window": 24}),
                                       ("Qwen3ForCausalLM", {})], ids=["llama", "mistral-sliding", "qwen3"])
+@needs_ort("gqa")
 def test_gqa_artifact_matches_transformers(arch: str, over: dict, tmp_path: Path) -> None:
     import onnx
     from test_parity import chunked_logits, hf_greedy, hf_logits, hf_model, prompts_of, staggered_greedy
@@ -224,6 +230,7 @@ SMALL_RUNTIME = ("  kv_block_size: 16\n  num_kv_blocks: 128\n  max_num_seqs: 8\n
                  "  max_num_batched_tokens: 256\n  max_model_len: 256\n")
 
 
+@needs_ort("gqa")
 @pytest.mark.slow
 def test_autotune_records_timings(tmp_path: Path) -> None:
     ckpt = make_random_checkpoint(tmp_path / "ckpt", "LlamaForCausalLM", seed=1, num_hidden_layers=1)
@@ -266,6 +273,7 @@ def test_autotune_off_is_reproducible(tmp_path: Path) -> None:
 # -- PagedAttention (CUDA only): built and validated against the registered schema ------------------
 
 
+@needs_ort("paged_attention")
 def test_schema_validation_catches_mistakes() -> None:
     from onnx import TensorProto, helper
 
@@ -290,6 +298,7 @@ def test_schema_validation_catches_mistakes() -> None:
     assert any("kv_num_heads" in p for p in validate_node(no_heads, types))
 
 
+@needs_ort("paged_attention")
 @pytest.mark.slow
 def test_paged_attention_demo_graph_validates() -> None:
     from compiler.attention.paged import paged_attention_model, validate_paged_attention

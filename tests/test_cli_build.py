@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import DEMO_MODEL, DEMO_RECIPE, ROOT, make_random_checkpoint, write_recipe
+from conftest import DEMO_MODEL, DEMO_RECIPE, ROOT, make_random_checkpoint, needs_ort, write_recipe
 
 CLI = [sys.executable, "-m", "compiler.cli"]
 
@@ -128,6 +128,7 @@ def test_dry_run_of_demo_prints_plan_and_estimates() -> None:
     assert wall < 10.0, f"dry run took {wall:.1f} s"
 
 
+@needs_ort("gqa")
 @pytest.mark.slow
 def test_demo_build_as_in_the_readme_records_passes_kernels_and_timings(tmp_path: Path) -> None:
     """`optimize build recipes/demo.yaml` (autotune on): the manifest lists every fusion rule's count,

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from conftest import DEMO_MODEL, make_random_checkpoint, write_recipe
+from conftest import DEMO_MODEL, make_random_checkpoint, needs_ort, write_recipe
 from onnx import TensorProto, helper
 from onnx_model import make_model
 
@@ -104,6 +104,7 @@ def test_buckets_must_increase(tmp_path: Path) -> None:
         plan(recipe)
 
 
+@needs_ort("gqa")
 def test_a_gqa_graph_is_reported_not_capturable(tmp_path: Path) -> None:
     """The gqa variant pads each step to its longest chunk, read from cu_seqlens: a shape from input
     contents, which a captured graph cannot have."""

@@ -23,7 +23,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from conftest import DEMO_MODEL, make_random_checkpoint, write_recipe
+from conftest import DEMO_MODEL, make_random_checkpoint, needs_ort, write_recipe
 from test_parity import DEMO_PROMPTS, LOGITS_TOL, chunked_logits, hf_logits, hf_model, prompts_of
 
 from compiler import streamed
@@ -424,6 +424,7 @@ def test_fuse_options_in_recipe(tmp_path: Path) -> None:
         plan(early)
 
 
+@needs_ort("fp8_activations")
 @pytest.mark.slow
 def test_fp8_projections_are_left_alone_with_a_reason(tmp_path: Path) -> None:
     """FP8 weights are DequantizeLinear outputs: qkv / gate_up record why they did not fuse; the other
@@ -445,6 +446,7 @@ def test_fp8_projections_are_left_alone_with_a_reason(tmp_path: Path) -> None:
     assert np.abs(got - base).max() < FUSED_TOL
 
 
+@needs_ort("gqa")
 @pytest.mark.slow
 def test_fusion_with_a_forced_attention_variant(tmp_path: Path) -> None:
     """select_attention kernel gqa (com.microsoft.GroupQueryAttention) + fuse: a build failure fails."""

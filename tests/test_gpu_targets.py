@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import DEMO_MODEL, make_random_checkpoint, write_recipe
+from conftest import DEMO_MODEL, make_random_checkpoint, needs_ort, write_recipe
 from test_parity import hf_greedy, hf_model, prompts_of, staggered_greedy
 
 from compiler.attention import KERNELS
@@ -160,6 +160,7 @@ def test_fx_host_sync_findings_flag_data_dependent_programs() -> None:
     assert fx_host_sync_findings(torch.export.export(Static(), (torch.randn(8, 4), torch.tensor([1, 3])))) == []
 
 
+@needs_ort("paged_attention")
 def test_onnxruntime_cuda_demo_builds_here_with_paged_attention(tmp_path: Path) -> None:
     artifact = build(ROOT / "recipes" / "demo-onnxruntime-cuda.yaml", progress=False, output=tmp_path)
     manifest = json.loads((artifact / "manifest.json").read_text())
@@ -270,6 +271,7 @@ def ort_cuda_int4(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
     return build(write_recipe(tmp, ckpt, passes=passes, device="cuda", dtype=request.param), progress=False)
 
 
+@needs_ort("paged_attention")
 def test_onnxruntime_cuda_int4_lowers_to_half_precision_matmulnbits(ort_cuda_int4: Path) -> None:
     """float16 and bfloat16 graphs: MatMulNBits with scales of the graph's type, PagedAttention over pools of
     it, and every contrib node valid against ONNX Runtime's registered schema (inputs, attributes, types)."""
@@ -297,6 +299,7 @@ def test_onnxruntime_cuda_int4_lowers_to_half_precision_matmulnbits(ort_cuda_int
     assert [p for n in contrib for p in validate_node(n, {**known, **types})] == []
 
 
+@needs_ort("paged_attention")
 def test_half_precision_rotary_fuses_with_caches_of_its_type_and_rotates_as_the_unfused_nodes(
         ort_cuda_int4: Path) -> None:
     """A float16/bfloat16 graph (onnxruntime/cuda) casts cos/sin to its type before the product: the rule

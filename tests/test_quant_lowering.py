@@ -9,6 +9,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
+from conftest import needs_ort
 from onnx import TensorProto, helper, numpy_helper
 from onnx_model import make_model
 
@@ -188,7 +189,7 @@ def _kv_model(shape_const: bool = True) -> onnx.ModelProto:
     return make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
 
 
-@pytest.mark.parametrize("dtype", ["int8", "float8_e4m3fn"])
+@pytest.mark.parametrize("dtype", ["int8", pytest.param("float8_e4m3fn", marks=needs_ort("fp8_kv_cache"))])
 def test_kv_cache_rewrite_reads_and_writes_per_head_quantized_rows(dtype: str) -> None:
     scales = np.array([0.05, 0.2], np.float32)
     kv = KvCacheQuant(dtype, scales[None], scales[None])  # type: ignore[arg-type]
@@ -230,6 +231,7 @@ def test_kv_cache_rewrite_refuses_an_unknown_read_pattern() -> None:
     assert why is not None and "not to a constant" in why
 
 
+@needs_ort("fp8_activations")
 def test_fp8_activation_qdq_is_shared_by_gemms_reading_one_input_in_any_order() -> None:
     """q/k/v read one tensor: one Q/DQ pair, placed before all of them whatever order they are rewritten in."""
     from compiler.quant import fp8

@@ -12,6 +12,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
+from conftest import needs_ort
 from onnx import TensorProto, helper, numpy_helper
 from onnx_model import make_model
 
@@ -122,6 +123,7 @@ def test_fp8_weights_match_ml_dtypes_and_saturate() -> None:
     assert t.scales.shape == () and np.isfinite(t.dequantize().numpy()).all()
 
 
+@needs_ort("fp8_activations")
 @pytest.mark.parametrize("mode", ["static", "dynamic"])
 def test_fp8_activation_qdq_in_onnx_runtime_matches_torch(mode: str) -> None:
     from compiler.quant import onnx_rules as R

@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, make_random_checkpoint, write_recipe
+from conftest import ROOT, make_random_checkpoint, needs_ort, write_recipe
 
 from compiler import streamed
 from compiler.build import build, plan
@@ -96,7 +96,8 @@ def test_streamed_torch_target_writes_the_model_pt2_of_a_loaded_build(tmp_path: 
         assert tokens[0] == tokens[1] and len(tokens[0]) == 8
 
 
-@pytest.mark.parametrize(("device", "dtype", "method"), [("cuda", "float16", "rtn"), ("cpu", "float32", "int8")])
+@pytest.mark.parametrize(("device", "dtype", "method"), [
+    pytest.param("cuda", "float16", "rtn", marks=needs_ort("paged_attention")), ("cpu", "float32", "int8")])
 def test_streamed_onnx_runtime_targets_with_cuda_graph_plans(tmp_path: Path, ckpt: Path, device: str, dtype: str,
                                                              method: str) -> None:
     """onnxruntime/cuda in float16 (INT4 MatMulNBits) and onnxruntime/cpu (INT8, fused), each with
@@ -115,6 +116,7 @@ def test_streamed_onnx_runtime_targets_with_cuda_graph_plans(tmp_path: Path, ckp
         assert stats["plan_cuda_graphs"]["verified_buckets"] == [1, 2, 4, 8]
 
 
+@needs_ort("int4_cast")
 def test_streamed_tensorrt_input_is_the_loaded_graph(tmp_path: Path, ckpt: Path) -> None:
     """tensorrt/cuda in float16 with symmetric INT4 (signed int4 Q/DQ) streams: the passes before build_engine
     run on either build, and build_engine's writer gives TensorRT's parser the same model.onnx and

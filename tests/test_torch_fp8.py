@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import DEMO_MODEL, make_random_checkpoint, write_recipe
+from conftest import DEMO_MODEL, make_random_checkpoint, needs_ort, write_recipe
 
 from compiler.build import build, plan
 from compiler.recipe import RecipeError
@@ -38,6 +38,7 @@ def _batch() -> ForwardBatch:
                         block_table=table, slot_mapping=slots, logits_index=np.arange(len(ids), dtype=np.int64))
 
 
+@needs_ort("fp8_activations")
 @pytest.mark.parametrize("activations", ["static", "dynamic"])
 def test_torch_fp8_program_matches_the_onnx_fp8_artifact(tmp_path: Path, activations: str) -> None:
     ckpt = make_random_checkpoint(tmp_path / "ckpt", "Qwen2ForCausalLM", seed=4)  # QKV bias: Fp8Linear bias

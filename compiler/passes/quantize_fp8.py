@@ -59,6 +59,14 @@ class QuantizeFp8Pass(QuantizePass):
     def needs_calibration(self) -> bool:
         return self.config.activations == "static"
 
+    def check_environment(self, recipe: Any) -> str | None:
+        t = recipe.target
+        if (t.backend, t.device) != ("onnxruntime", "cpu") or self.config.activations == "none":
+            return None
+        from runtime.ort_releases import FP8_ACTIVATIONS_CPU, missing
+
+        return missing(FP8_ACTIVATIONS_CPU)
+
     def run(self, ctx: BuildContext) -> dict[str, Any]:
         import torch
 

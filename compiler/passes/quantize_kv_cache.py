@@ -39,6 +39,13 @@ class QuantizeKvCachePass(QuantizePass):
     def kv_bytes_per_element(self) -> int:
         return 1
 
+    def check_environment(self, recipe: Any) -> str | None:
+        if self.config.dtype != "fp8" or recipe.target.backend != "onnxruntime":
+            return None
+        from runtime.ort_releases import FP8_KV_CACHE, missing
+
+        return missing(FP8_KV_CACHE)
+
     def needs_calibration(self) -> bool:
         return True
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from runtime import ort_releases
 from runtime.backends import read_geometry
 from runtime.core import copy_blocks, scatter_kv_layers
 from runtime.forward_batch import ForwardBatch
@@ -84,6 +85,8 @@ class OnnxRuntimeBackend:
         dtype = _NP_DTYPES.get(kv_name)
         if dtype is None:
             raise RuntimeError(f"KV cache dtype {kv_name!r} is not supported by the ONNX Runtime backend")
+        if kv_name == "float8_e4m3fn" and (why := ort_releases.missing(ort_releases.FP8_KV_CACHE, ort.__version__)) is not None:
+            raise RuntimeError(f"{model_path.name}: {why}")
         self.kv_dtype = dtype
         so = ort.SessionOptions()
         threads = intra_op_threads or int(os.environ.get("OPTIMIZE_ORT_THREADS", "0"))
@@ -125,7 +128,13 @@ class OnnxRuntimeBackend:
                 f"ONNX Runtime execution provider(s) {missing} not available (have {available}); "
                 "install onnxruntime-gpu for CUDA, or build a CPU target"
             )
-        self.session = ort.InferenceSession(str(model_path), so, providers=providers)
+        try:
+            self.session = ort.InferenceSession(str(model_path), so, providers=providers)
+        except Exception as e:  # ONNX Runtime raises its own exception types (InvalidGraph, Fail)
+            why = ort_releases.missing(ort_releases.FP8_ACTIVATIONS_CPU, ort.__version__)
+            if why is not None and "float8" in str(e) and "CPUExecutionProvider" in providers:
+                raise RuntimeError(f"{model_path.name}: {why}") from e
+            raise
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.output_names = [o.name for o in self.session.get_outputs()]
         self._logits_only = self.output_names[:1]
