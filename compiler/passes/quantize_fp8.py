@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from compiler.passes.base import BuildContext, QuantizePass
 from compiler.quant.common import matches
+from runtime.ort_releases import FP8_ACTIVATIONS_CPU, missing
 
 if TYPE_CHECKING:  # pragma: no cover - torch is imported where a pass runs (not by the dry run)
     from compiler.quant.calibration import LayerRunner
@@ -63,8 +64,6 @@ class QuantizeFp8Pass(QuantizePass):
         t = recipe.target
         if (t.backend, t.device) != ("onnxruntime", "cpu") or self.config.activations == "none":
             return None
-        from runtime.ort_releases import FP8_ACTIVATIONS_CPU, missing
-
         return missing(FP8_ACTIVATIONS_CPU)
 
     def run(self, ctx: BuildContext) -> dict[str, Any]:

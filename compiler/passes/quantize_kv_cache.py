@@ -16,6 +16,7 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 
 from compiler.passes.base import BuildContext, QuantizePass
+from runtime.ort_releases import FP8_KV_CACHE, missing
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +43,6 @@ class QuantizeKvCachePass(QuantizePass):
     def check_environment(self, recipe: Any) -> str | None:
         if self.config.dtype != "fp8" or recipe.target.backend != "onnxruntime":
             return None
-        from runtime.ort_releases import FP8_KV_CACHE, missing
-
         return missing(FP8_KV_CACHE)
 
     def needs_calibration(self) -> bool:
