@@ -1,7 +1,7 @@
 """The engine's incremental detokenization (runtime.tokenizer.TextStream) against decoding the whole sequence.
 
 Any ids, the demo's tokenizer: the chunks concatenate to `Tokenizer.decode` of every prefix, but for a
-held-back incomplete UTF-8 tail (which decode shows as U+FFFD); and a sampled generation's streamed text
+held-back incomplete UTF-8 tail (which decode shows as U+FFFD, held back with the rest of its id's text); and a sampled generation's streamed text
 and final text equal decode() of its tokens.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from conftest import DEMO_MODEL
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from runtime.engine import LLMEngine
@@ -32,6 +32,7 @@ def id_sequences(draw: st.DrawFn) -> list[int]:
 
 @settings(max_examples=300, deadline=None)
 @given(id_sequences())
+@example([3431])  # a space held back with an incomplete character
 def test_stream_chunks_concatenate_to_decode_of_every_prefix(ids: list[int]) -> None:
     stream = TOKENIZER.stream()
     text = ""
@@ -39,7 +40,9 @@ def test_stream_chunks_concatenate_to_decode_of_every_prefix(ids: list[int]) -> 
         text += stream.step(tok)
         full = TOKENIZER.decode(ids[:n])
         assert full.startswith(text), (ids[:n], text, full)
-        assert set(full[len(text):]) <= {"\ufffd"}, (ids[:n], text, full)  # only an incomplete tail held back
+        # only an incomplete tail is held back, with the rest of the text of the id that started it (id 3431 is
+        # "\u0120\u00e2\u0122": a space and two bytes of a three-byte character; both wait for the third)
+        assert full[len(text):] == "" or full.endswith("\ufffd"), (ids[:n], text, full)
 
 
 def test_sampled_generation_streams_the_text_decode_gives(demo_artifact: Path) -> None:
