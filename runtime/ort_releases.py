@@ -1,12 +1,13 @@
-"""What an ONNX Runtime release can run of the artifacts: the features that need a later release than
-pyproject's floor (onnxruntime >= 1.20), each with the first release measured to run it and why.
+"""What an ONNX Runtime release can run of the artifacts: the features that need a later release than pyproject's
+floor (onnxruntime >= 1.20), each with the first release measured to run it and why.
 
 The build refuses such a feature before any work when the installed release is older (a pass's
 `check_environment`), and the runtime says the same at load instead of ONNX Runtime's own error. Found by
-running the suite on 1.20.1 and then its failing FP8 tests on each release after it (FP8 activations: 1.24.4
-to 1.27.0 fail, 1.28.0 passes; an FP8 KV cache: 1.21.1 to 1.23.2 fail, 1.24.4 passes). Features that the installed release's registered schemas decide (GroupQueryAttention's
-`query_seqlens`, com.microsoft.PagedAttention) are checked against those schemas instead
-(compiler/attention/schema.py `missing_input`).
+running the suite on 1.20.1 and then its failing FP8 tests on later releases (FP8 activations: 1.20.1 and
+1.24.4 to 1.27.0 fail, 1.28.0 passes; an FP8 KV cache: 1.20.1 to 1.23.2 fail, 1.24.4 passes). Features that the
+installed release's registered schemas decide (GroupQueryAttention's `query_seqlens`,
+com.microsoft.PagedAttention) are checked against those schemas instead (compiler/attention/schema.py
+`missing_input`).
 """
 
 from __future__ import annotations

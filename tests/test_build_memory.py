@@ -19,7 +19,7 @@ from typing import Any
 import onnx
 import pytest
 import torch
-from conftest import ROOT, make_random_checkpoint, write_recipe
+from conftest import ROOT, make_random_checkpoint, needs_ort, write_recipe
 from safetensors.torch import load_file
 
 from bench.build_scale import SHAPES, run_measured, write_random_llama
@@ -291,7 +291,8 @@ QUANTIZE_PASSES = {
 CALIBRATED = ("gptq", "awq", "awq-sequential", "int8-smoothquant", "fp8-static", "fp8-static-embedding")
 
 
-@pytest.mark.parametrize("method", list(QUANTIZE_PASSES))
+@pytest.mark.parametrize("method", [pytest.param(m, marks=needs_ort("fp8_activations")) if m.startswith("fp8") else m
+                                    for m in QUANTIZE_PASSES])
 def test_streamed_build_writes_the_bytes_of_a_loaded_build(tmp_path: Path, method: str,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """A random 2-layer Llama with a tied head to INT4 RTN, GPTQ or AWQ, INT8 or FP8 with fusion, once with its weights
@@ -475,6 +476,7 @@ def test_streamed_layer_by_layer_build_stays_within_its_estimate(small_llama: Pa
         assert not p.streamed and "search 'fit'" in (p.loads_model_because or "") and "3 W" in p.loads_model_because
 
 
+@needs_ort("fp8_activations")
 @pytest.mark.parametrize("method", ["fp8", "fp8-static"])
 def test_streamed_fp8_build_stays_within_its_estimate(small_llama: Path, tmp_path: Path, method: str) -> None:
     """A streamed FP8 build (per channel, lm_head and embedding kept) of a 25M-parameter Llama, sampled from

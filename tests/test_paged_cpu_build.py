@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from conftest import make_random_checkpoint, write_recipe
+from conftest import make_random_checkpoint, needs_ort, write_recipe
 
 from compiler.build import build
 from compiler.fusion.pipeline import nodes_per_layer
@@ -113,6 +113,7 @@ def test_an_int8_kv_cache_is_read_and_written_by_the_kernel(tmp_path: Path) -> N
     assert len(tokens) == 16  # decoded through the int8 pools written by the kernel
 
 
+@needs_ort("fp8_kv_cache")
 def test_an_fp8_kv_cache_takes_another_variant(tmp_path: Path) -> None:
     """E4M3 pools: the kernel reads float32 or int8 pools, so the rule table falls through with the reason."""
     ckpt = make_random_checkpoint(tmp_path / "ckpt", "LlamaForCausalLM", num_hidden_layers=1)

@@ -85,8 +85,10 @@ class OnnxRuntimeBackend:
         dtype = _NP_DTYPES.get(kv_name)
         if dtype is None:
             raise RuntimeError(f"KV cache dtype {kv_name!r} is not supported by the ONNX Runtime backend")
-        if kv_name == "float8_e4m3fn" and (why := ort_releases.missing(ort_releases.FP8_KV_CACHE, ort.__version__)) is not None:
-            raise RuntimeError(f"{model_path.name}: {why}")
+        if kv_name == "float8_e4m3fn":  # a release that cannot return the step's float8 K/V: said now
+            why = ort_releases.missing(ort_releases.FP8_KV_CACHE, ort.__version__)
+            if why is not None:
+                raise RuntimeError(f"{model_path.name}: {why}")
         self.kv_dtype = dtype
         so = ort.SessionOptions()
         threads = intra_op_threads or int(os.environ.get("OPTIMIZE_ORT_THREADS", "0"))
