@@ -30,6 +30,10 @@ FP8_KV_CACHE = Feature(
     "an FP8 KV cache", (1, 24),
     "the Python binding cannot hand float8 outputs (the step's new K/V rows) to numpy ('No corresponding "
     "Numpy type for Tensor Type')")
+# not refused by the build: plan_cuda_graphs then checks such a graph's buckets by taint analysis only, saying so
+CAST21_CPU = Feature(
+    "Running a streamed signed-INT4 graph's CUDA-graph buckets on CPU", (1, 23),
+    "the CPU execution provider has no kernel for Cast of opset 21")
 
 
 def release(version: str) -> tuple[int, int]:

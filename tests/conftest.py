@@ -15,7 +15,7 @@ DEMO_RECIPE = ROOT / "recipes" / "demo.yaml"
 
 def _ort_lacks() -> dict[str, str | None]:
     """Why the installed ONNX Runtime release cannot run a feature that a later release added (None: it
-    can): the FP8 features runtime/ort_releases.py lists, and the contrib-op inputs/schemas the build checks."""
+    can): the features runtime/ort_releases.py lists, and the contrib-op inputs/schemas the build checks."""
     from compiler.attention.schema import missing_input
     from runtime import ort_releases
 
@@ -23,10 +23,7 @@ def _ort_lacks() -> dict[str, str | None]:
             "fp8_kv_cache": ort_releases.missing(ort_releases.FP8_KV_CACHE),
             "gqa": missing_input("GroupQueryAttention", "query_seqlens"),
             "paged_attention": missing_input("PagedAttention", "block_table"),
-            # not refused by the build: plan_cuda_graphs then checks the buckets by taint analysis only, saying so
-            "int4_cast": None if ort_releases.release(ort_releases.installed()) >= (1, 23) else
-            f"onnxruntime {ort_releases.installed()} has no CPU kernel for Cast of opset 21 (1.23 has), so "
-            "plan_cuda_graphs cannot run a streamed signed-INT4 graph's buckets"}
+            "int4_cast": ort_releases.missing(ort_releases.CAST21_CPU)}
 
 
 ORT_LACKS = _ort_lacks()
